@@ -1,0 +1,117 @@
+"""The exception tree of dataferry.
+
+Every error the library raises on purpose is a :class:`DataferryError`.
+Lower-level errors (cassandra-driver, sqlite3, aiohttp, Pillow, OS) are
+translated where they cross into dataferry, with ``raise X from exc``, and the
+message names the thing at fault: the dataset, split, sample id, file path,
+store URL or address.
+
+::
+
+    DataferryError
+    ├── ConfigError            bad option value, malformed store URL
+    ├── StoreError             the store failed or could not be reached
+    │   ├── StoreUnavailable   no connection (dead host, refused, auth failed)
+    │   └── StoreTimeout       a request outlived its timeout
+    ├── NotFound
+    │   ├── DatasetNotFound
+    │   ├── SplitNotFound
+    │   └── SampleNotFound     also *yielded* (not raised) by SampleSource.fetch
+    ├── IntegrityError         stored data contradicts itself (id collision, ...)
+    └── InvalidImage           a source file failed validation (path + reason)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DataferryError",
+    "ConfigError",
+    "StoreError",
+    "StoreUnavailable",
+    "StoreTimeout",
+    "NotFound",
+    "DatasetNotFound",
+    "SplitNotFound",
+    "SampleNotFound",
+    "IntegrityError",
+    "InvalidImage",
+]
+
+
+class DataferryError(Exception):
+    """Base class of every error dataferry raises on purpose."""
+
+
+class ConfigError(DataferryError, ValueError):
+    """An option or URL is malformed or out of range."""
+
+
+class StoreError(DataferryError):
+    """The store failed while serving a request."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached (refused, dead host, bad credentials)."""
+
+
+class StoreTimeout(StoreError, TimeoutError):
+    """A store request did not complete within its timeout."""
+
+
+class NotFound(DataferryError, LookupError):
+    """A named thing does not exist in the store."""
+
+
+class DatasetNotFound(NotFound):
+    def __init__(self, dataset: str) -> None:
+        super().__init__(f"unknown dataset {dataset!r}")
+        self.dataset = dataset
+
+
+class SplitNotFound(NotFound):
+    def __init__(self, dataset: str, split: str) -> None:
+        super().__init__(f"dataset {dataset!r} has no split {split!r}")
+        self.dataset = dataset
+        self.split = split
+
+
+class SampleNotFound(NotFound):
+    """A sample id is not in the store.
+
+    ``SampleSource.fetch`` *yields* this for an unknown id instead of raising,
+    so one bad id does not fail the other ids of the same request.
+    """
+
+    def __init__(self, dataset: str, id: int) -> None:
+        super().__init__(f"dataset {dataset!r} has no sample with id {id}")
+        self.dataset = dataset
+        self.id = id
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, SampleNotFound)
+            and other.dataset == self.dataset
+            and other.id == self.id
+        )
+
+    def __hash__(self) -> int:
+        return hash((SampleNotFound, self.dataset, self.id))
+
+    def __reduce__(self):
+        return (SampleNotFound, (self.dataset, self.id))
+
+
+class IntegrityError(DataferryError):
+    """Stored data contradicts itself, e.g. two paths hash to one sample id."""
+
+
+class InvalidImage(DataferryError):
+    """A source file is not a usable image. ``path`` and ``reason`` say why."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+    def __reduce__(self):
+        return (InvalidImage, (self.path, self.reason))

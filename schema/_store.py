@@ -1,0 +1,108 @@
+"""The store seam: what every backend implements.
+
+Reading is one method, :meth:`SampleSource.fetch`. The client engine, the
+server and the tests are written against it; Cassandra, SQLite, the HTTP client
+and the in-memory source all implement it. A :class:`Store` adds the catalog
+(datasets, splits) and the write side used by ingest.
+
+Semantics every backend keeps (the parametrized tests in ``tests/`` pin them):
+
+* ``fetch`` issues its reads concurrently, up to the backend's concurrency
+  limit, and yields results **in completion order**. Each requested id yields
+  exactly once: a :class:`~dataferry.schema.Sample`, or a
+  :class:`~dataferry.schema.SampleNotFound` *instance* for an unknown id. A
+  failure of the store itself (connection lost, timeout) is *raised*; the
+  caller may retry the ids that have not been yielded yet.
+* A sample is committed when its metadata row exists: ingest writes the sample
+  row first and the metadata row last, so an interrupted ingest leaves no
+  sample that :meth:`Store.existing` reports.
+* The reserved split ``all`` lists every committed sample of a dataset; ingest
+  maintains it together with the dataset row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from ._errors import SampleNotFound
+from ._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo
+
+__all__ = ["SampleSource", "Store", "SampleRecord", "FetchResult"]
+
+FetchResult = Sample | SampleNotFound
+
+
+@runtime_checkable
+class SampleSource(Protocol):
+    """Anything that can fetch samples by id. One method."""
+
+    def fetch(self, dataset: str, ids: Sequence[int]) -> AsyncIterator[FetchResult]:
+        """Yield one result per id, in completion order (see module docs)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRecord:
+    """What ingest writes for one sample."""
+
+    sample: Sample
+    meta: SampleMeta
+
+
+class Store(SampleSource, Protocol):
+    """A sample source with a catalog and a write side, owned by one event loop.
+
+    Open with :func:`~dataferry.schema.open_store`; use as
+    ``async with open_store(url) as store:`` or call :meth:`close`.
+    """
+
+    url: str
+
+    # --- catalog ---------------------------------------------------------
+    async def list_datasets(self) -> list[DatasetInfo]: ...
+
+    async def get_dataset(self, name: str) -> DatasetInfo:
+        """Raise DatasetNotFound for an unknown name."""
+        ...
+
+    async def list_splits(self, dataset: str) -> list[SplitInfo]:
+        """All splits of a dataset, ``all`` included. DatasetNotFound if unknown."""
+        ...
+
+    async def read_split(self, dataset: str, split: str) -> IdList:
+        """A split's ids and labels, in stored order. SplitNotFound if unknown."""
+        ...
+
+    async def read_meta(self, dataset: str, ids: Sequence[int]) -> Mapping[int, SampleMeta]:
+        """Metadata of the committed ones among ``ids``; unknown ids are absent."""
+        ...
+
+    # --- write side (ingest) ---------------------------------------------
+    async def existing(self, dataset: str, ids: Collection[int]) -> set[int]:
+        """The ids among ``ids`` whose samples are committed."""
+        ...
+
+    async def put_samples(self, dataset: str, records: Sequence[SampleRecord]) -> None:
+        """Upsert samples, concurrently; each sample row before its metadata row."""
+        ...
+
+    async def put_dataset(self, info: DatasetInfo) -> None:
+        """Create or replace the dataset row."""
+        ...
+
+    async def put_split(self, dataset: str, split: str, idlist: IdList) -> None:
+        """Create or replace a split's id list (chunked)."""
+        ...
+
+    async def delete_split(self, dataset: str, split: str) -> None: ...
+
+    # --- lifetime ----------------------------------------------------------
+    async def close(self) -> None:
+        """Release connections and threads. Safe to call twice."""
+        ...
+
+    async def __aenter__(self) -> Store: ...
+
+    async def __aexit__(self, *exc: object) -> None: ...
