@@ -55,7 +55,7 @@ class Store(SampleSource, Protocol):
     """A sample source with a catalog and a write side, owned by one event loop.
 
     Open with :func:`~dataferry.schema.open_store`; use as
-    ``async with open_store(url) as store:`` or call :meth:`close`.
+    ``async with await open_store(url) as store:`` or call :meth:`close`.
     """
 
     url: str

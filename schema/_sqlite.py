@@ -1,0 +1,296 @@
+"""SqliteStore: the embedded, zero-setup store. One file, WAL mode.
+
+Reads run on a small pool of threads, each with its own connection (WAL lets
+readers run while a writer commits, also from other processes). Writes run on
+one writer thread, one transaction per call, so a batch of samples is either
+all committed or not at all. Tables mirror ``cassandra.cql``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import json
+import os
+import sqlite3
+import threading
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from ._errors import DatasetNotFound, SampleNotFound, SplitNotFound, StoreError, StoreTimeout, StoreUnavailable
+from ._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo, check_name
+from ._store import FetchResult, SampleRecord
+from ._url import SqliteOptions
+
+__all__ = ["SqliteStore"]
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS samples (
+    dataset TEXT NOT NULL, id INTEGER NOT NULL, label INTEGER NOT NULL,
+    data BLOB NOT NULL, target BLOB, PRIMARY KEY (dataset, id));
+CREATE TABLE IF NOT EXISTS sample_meta (
+    dataset TEXT NOT NULL, id INTEGER NOT NULL, label INTEGER NOT NULL,
+    path TEXT NOT NULL, format TEXT NOT NULL, width INTEGER NOT NULL, height INTEGER NOT NULL,
+    size INTEGER NOT NULL, checksum TEXT NOT NULL, tags TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (dataset, id));
+CREATE TABLE IF NOT EXISTS datasets (
+    name TEXT PRIMARY KEY, label_names TEXT NOT NULL, num_samples INTEGER NOT NULL, created TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS splits (
+    dataset TEXT NOT NULL, split TEXT NOT NULL, num_ids INTEGER NOT NULL, num_chunks INTEGER NOT NULL,
+    PRIMARY KEY (dataset, split));
+CREATE TABLE IF NOT EXISTS split_chunks (
+    dataset TEXT NOT NULL, split TEXT NOT NULL, chunk INTEGER NOT NULL, ids BLOB NOT NULL, labels BLOB NOT NULL,
+    PRIMARY KEY (dataset, split, chunk));
+"""
+
+_IN_LIMIT = 500  # ids per "IN (...)" for catalog-side lookups
+
+
+def _chunks(seq: Sequence, n: int):
+    for i in range(0, len(seq), n):
+        yield seq[i : i + n]
+
+
+class SqliteStore:
+    """The embedded store. Open with :func:`dataferry.schema.open_store`."""
+
+    def __init__(self, opts: SqliteOptions, url: str) -> None:
+        self.url = url
+        self._opts = opts
+        self._local = threading.local()
+        self._conns: list[sqlite3.Connection] = []
+        self._conns_lock = threading.Lock()
+        self._readers = ThreadPoolExecutor(opts.readers, thread_name_prefix="dataferry-sqlite-r")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="dataferry-sqlite-w")
+        self._closed = False
+
+    @classmethod
+    async def open(cls, opts: SqliteOptions, *, url: str, create: bool = True) -> SqliteStore:
+        if not create and not os.path.exists(opts.path):
+            raise StoreUnavailable(f"sqlite store {opts.path!r} does not exist")
+        store = cls(opts, url)
+        try:
+            await store._run(store._writer, lambda c: c.executescript(_DDL) if create else None)
+            await store._read(lambda c: c.execute("SELECT 1 FROM datasets LIMIT 1").fetchall())
+        except BaseException:
+            await store.close()
+            raise
+        return store
+
+    # --- plumbing ------------------------------------------------------------
+    def _conn(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            parent = os.path.dirname(os.path.abspath(self._opts.path))
+            if not os.path.isdir(parent):
+                raise StoreUnavailable(f"sqlite store {self._opts.path!r}: folder {parent!r} does not exist")
+            conn = sqlite3.connect(
+                self._opts.path, timeout=self._opts.busy_timeout, check_same_thread=False, isolation_level=None
+            )
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            self._local.conn = conn
+            with self._conns_lock:
+                self._conns.append(conn)
+        return conn
+
+    async def _run(self, pool: ThreadPoolExecutor, fn, *, txn: bool = False):
+        if self._closed:
+            raise StoreUnavailable(f"sqlite store {self._opts.path!r} is closed")
+
+        def call():
+            conn = self._conn()
+            try:
+                if not txn:
+                    return fn(conn)
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    out = fn(conn)
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+                conn.execute("COMMIT")
+                return out
+            except sqlite3.OperationalError as exc:
+                if "locked" in str(exc) or "busy" in str(exc):
+                    raise StoreTimeout(f"sqlite store {self._opts.path!r}: {exc}") from exc
+                raise StoreError(f"sqlite store {self._opts.path!r}: {exc}") from exc
+            except sqlite3.Error as exc:
+                raise StoreError(f"sqlite store {self._opts.path!r}: {exc}") from exc
+
+        return await asyncio.get_running_loop().run_in_executor(pool, call)
+
+    def _read(self, fn):
+        return self._run(self._readers, fn)
+
+    def _write(self, fn):
+        return self._run(self._writer, fn, txn=True)
+
+    # --- the seam ------------------------------------------------------------
+    async def fetch(self, dataset: str, ids: Sequence[int]) -> AsyncIterator[FetchResult]:
+        n = self._opts.ids_per_query
+        groups = iter(_chunks(list(ids), n))
+        pending: set[asyncio.Future] = set()
+        window = 2 * self._opts.readers
+
+        def query(group):
+            marks = ",".join("?" * len(group))
+            sql = f"SELECT id, label, data, target FROM samples WHERE dataset=? AND id IN ({marks})"
+            return group, self._conn().execute(sql, (dataset, *group)).fetchall()
+
+        try:
+            while True:
+                while len(pending) < window:
+                    group = next(groups, None)
+                    if group is None:
+                        break
+                    pending.add(asyncio.ensure_future(self._read(lambda _c, g=group: query(g))))
+                if not pending:
+                    return
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    group, rows = fut.result()
+                    found = {r[0]: Sample(r[0], r[1], r[2], r[3]) for r in rows}
+                    for i in group:
+                        s = found.get(i)
+                        yield s if s is not None else SampleNotFound(dataset, i)
+        finally:
+            for fut in pending:
+                fut.cancel()
+
+    # --- catalog -------------------------------------------------------------
+    @staticmethod
+    def _info(row) -> DatasetInfo:
+        return DatasetInfo(row[0], tuple(json.loads(row[1])), row[2], _dt.datetime.fromisoformat(row[3]))
+
+    async def list_datasets(self) -> list[DatasetInfo]:
+        rows = await self._read(lambda c: c.execute("SELECT * FROM datasets ORDER BY name").fetchall())
+        return [self._info(r) for r in rows]
+
+    async def get_dataset(self, name: str) -> DatasetInfo:
+        rows = await self._read(lambda c: c.execute("SELECT * FROM datasets WHERE name=?", (name,)).fetchall())
+        if not rows:
+            raise DatasetNotFound(name)
+        return self._info(rows[0])
+
+    async def list_splits(self, dataset: str) -> list[SplitInfo]:
+        def q(c):
+            known = c.execute("SELECT 1 FROM datasets WHERE name=?", (dataset,)).fetchall()
+            rows = c.execute("SELECT split, num_ids FROM splits WHERE dataset=? ORDER BY split", (dataset,))
+            return known, rows.fetchall()
+
+        known, rows = await self._read(q)
+        if not known:
+            raise DatasetNotFound(dataset)
+        return [SplitInfo(dataset, s, n) for s, n in rows]
+
+    async def read_split(self, dataset: str, split: str) -> IdList:
+        def q(c):
+            head = c.execute("SELECT num_chunks FROM splits WHERE dataset=? AND split=?", (dataset, split)).fetchall()
+            rows = c.execute(
+                "SELECT chunk, ids, labels FROM split_chunks WHERE dataset=? AND split=? ORDER BY chunk",
+                (dataset, split),
+            ).fetchall()
+            return head, rows
+
+        head, rows = await self._read(q)
+        if not head:
+            raise SplitNotFound(dataset, split)
+        if [r[0] for r in rows] != list(range(head[0][0])):
+            raise StoreError(f"split {dataset}/{split} in {self._opts.path!r} is missing chunks")
+        return IdList.from_chunks([(r[1], r[2]) for r in rows])
+
+    async def read_meta(self, dataset: str, ids: Sequence[int]) -> Mapping[int, SampleMeta]:
+        def q(c):
+            out = {}
+            for group in _chunks(list(ids), _IN_LIMIT):
+                sql = (
+                    "SELECT id, label, path, format, width, height, size, checksum, tags FROM sample_meta "
+                    f"WHERE dataset=? AND id IN ({','.join('?' * len(group))})"
+                )
+                for r in c.execute(sql, (dataset, *group)):
+                    out[r[0]] = SampleMeta(*r[:8], tags=json.loads(r[8]))
+            return out
+
+        return await self._read(q)
+
+    # --- write side ----------------------------------------------------------
+    async def existing(self, dataset: str, ids: Collection[int]) -> set[int]:
+        def q(c):
+            out: set[int] = set()
+            for group in _chunks(list(ids), _IN_LIMIT):
+                sql = f"SELECT id FROM sample_meta WHERE dataset=? AND id IN ({','.join('?' * len(group))})"
+                out.update(r[0] for r in c.execute(sql, (dataset, *group)))
+            return out
+
+        return await self._read(q)
+
+    async def put_samples(self, dataset: str, records: Sequence[SampleRecord]) -> None:
+        check_name("dataset", dataset)
+
+        def w(c):
+            c.executemany(
+                "INSERT OR REPLACE INTO samples VALUES (?,?,?,?,?)",
+                [(dataset, r.sample.id, r.sample.label, r.sample.data, r.sample.target) for r in records],
+            )
+            c.executemany(
+                "INSERT OR REPLACE INTO sample_meta VALUES (?,?,?,?,?,?,?,?,?,?)",
+                [
+                    (dataset, m.id, m.label, m.path, m.format, m.width, m.height, m.size, m.checksum,
+                     json.dumps(dict(m.tags), sort_keys=True))
+                    for m in (r.meta for r in records)
+                ],
+            )
+
+        await self._write(w)
+
+    async def put_dataset(self, info: DatasetInfo) -> None:
+        check_name("dataset", info.name)
+        row = (info.name, json.dumps(list(info.label_names)), info.num_samples, info.created.isoformat())
+        await self._write(lambda c: c.execute("INSERT OR REPLACE INTO datasets VALUES (?,?,?,?)", row))
+
+    async def put_split(self, dataset: str, split: str, idlist: IdList) -> None:
+        check_name("dataset", dataset)
+        check_name("split", split)
+
+        def w(c):
+            c.execute("DELETE FROM split_chunks WHERE dataset=? AND split=?", (dataset, split))
+            n = 0
+            for i, ids, labels in idlist.chunks():
+                c.execute("INSERT INTO split_chunks VALUES (?,?,?,?,?)", (dataset, split, i, ids, labels))
+                n += 1
+            c.execute("INSERT OR REPLACE INTO splits VALUES (?,?,?,?)", (dataset, split, len(idlist), n))
+
+        await self._write(w)
+
+    async def delete_split(self, dataset: str, split: str) -> None:
+        def w(c):
+            c.execute("DELETE FROM split_chunks WHERE dataset=? AND split=?", (dataset, split))
+            c.execute("DELETE FROM splits WHERE dataset=? AND split=?", (dataset, split))
+
+        await self._write(w)
+
+    # --- lifetime --------------------------------------------------------------
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._shutdown)
+
+    def _shutdown(self) -> None:
+        self._readers.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+        with self._conns_lock:
+            for conn in self._conns:
+                conn.close()
+            self._conns.clear()
+
+    async def __aenter__(self) -> SqliteStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"SqliteStore({self._opts.path!r})"
