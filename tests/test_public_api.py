@@ -1,0 +1,25 @@
+"""Pin the public API: adding or removing a name is a deliberate change."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+PUBLIC = {
+    "dataferry.schema": [
+        "ALL_SPLIT", "CassandraOptions", "ConfigError", "DEFAULT_STORE_URL", "DataferryError",
+        "DatasetInfo", "DatasetNotFound", "FetchResult", "IdList", "IntegrityError", "InvalidImage",
+        "NotFound", "Sample", "SampleMeta", "SampleNotFound", "SampleRecord", "SampleSource",
+        "SplitInfo", "SplitNotFound", "SqliteOptions", "Store", "StoreError", "StoreTimeout",
+        "StoreUnavailable", "check_name", "open_store", "parse_store_url", "sample_id",
+    ],
+}
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC))
+def test_all_is_pinned_and_resolves(module):
+    mod = importlib.import_module(module)
+    assert sorted(mod.__all__) == sorted(PUBLIC[module])
+    for name in mod.__all__:
+        assert getattr(mod, name) is not None, name
