@@ -1,1 +1,28 @@
-"""placeholder"""
+"""dataferry.client: the async prefetch engine and its sync facade.
+
+See ``README.md`` in this folder for a map of the files and the data flow.
+"""
+
+from ._engine import Batch, SampleFailed
+from ._loader import Loader
+from ._memory import Faults, FaultySource, MemorySource
+from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
+from ._plan import EpochPlan, make_plan
+from ._stats import Stats
+
+__all__ = [
+    "Loader",
+    "Batch",
+    "Stats",
+    "PlanOptions",
+    "Prefetch",
+    "Retry",
+    "Hedge",
+    "ErrorPolicy",
+    "EpochPlan",
+    "make_plan",
+    "SampleFailed",
+    "MemorySource",
+    "Faults",
+    "FaultySource",
+]

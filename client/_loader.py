@@ -1,0 +1,342 @@
+"""The sync facade: ``Loader`` runs the async engine in one background thread.
+
+The training loop sees an iterator of :class:`Batch` (``for batch in
+loader``), ``get(timeout)``, ``state_dict()``/``load_state_dict()``,
+``stats()``, and ``close()`` (safe to call twice; also a context manager).
+
+Epochs: iterating runs the current epoch (``loader.epoch``) to its end, then
+the epoch counter advances. Breaking out and iterating again continues the
+same epoch where the consumer left off; every sample of an epoch is handed
+out exactly once either way. ``set_epoch(e)`` starts epoch ``e`` afresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Literal
+
+from dataferry.schema import ALL_SPLIT, IdList, SampleSource
+from dataferry.schema._errors import ConfigError, DataferryError
+
+from ._engine import Batch, EndOfEpoch, EpochRun
+from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
+from ._plan import EpochPlan, make_plan, split_digest
+from ._progress import Progress
+from ._stats import Counters, Stats
+
+__all__ = ["Loader"]
+
+log = logging.getLogger("dataferry.client")
+
+_STATE_VERSION = 1
+
+
+class _Failed:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class _LoopThread:
+    """One event loop in one daemon thread."""
+
+    def __init__(self) -> None:
+        self.loop = _new_loop()
+        self.thread = threading.Thread(target=self._main, name="dataferry-engine", daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+
+    def call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        if threading.current_thread() is not self.thread:
+            self.thread.join(10)
+
+
+async def _open_source(source: SampleSource | str) -> tuple[SampleSource, bool]:
+    if not isinstance(source, str):
+        return source, False
+    if source.startswith(("http://", "https://")):
+        from ._http import HttpSource  # the data service client
+
+        return await HttpSource.open(source), True
+    from dataferry.schema import open_store
+
+    return await open_store(source, create=False), True
+
+
+async def _close_source(source, owned: bool) -> None:
+    if owned:
+        await source.close()
+
+
+def _shutdown(lt: _LoopThread, state: dict) -> None:
+    run_task = state.get("task")
+    if run_task is not None:
+        lt.loop.call_soon_threadsafe(run_task.cancel)
+    src = state.get("source")
+    if src is not None and lt.loop.is_running():
+        try:
+            lt.call(_close_source(*src), timeout=10)
+        except Exception:  # noqa: BLE001 - closing is best effort
+            log.exception("closing the loader's source failed")
+    lt.stop()
+
+
+class Loader:
+    """Stream batches of ``dataset`` from ``source`` (a SampleSource or a URL).
+
+    ``source`` may be a :class:`~dataferry.schema.SampleSource` (not owned),
+    or a store URL (``sqlite:...``, ``cassandra://...``) or data service URL
+    (``http(s)://...``), which the loader opens on its loop and closes.
+    The epoch's ids come from ``ids`` when given, else from the source's
+    ``read_split(dataset, split)``.
+    """
+
+    def __init__(
+        self,
+        source: SampleSource | str,
+        dataset: str,
+        *,
+        split: str = ALL_SPLIT,
+        ids: IdList | None = None,
+        batch_size: int = 256,
+        drop_last: bool = False,
+        order: Literal["completion", "input"] = "completion",
+        plan: PlanOptions = PlanOptions(),
+        prefetch: Prefetch = Prefetch(),
+        retry: Retry = Retry(),
+        hedge: Hedge = Hedge(),
+        errors: ErrorPolicy = ErrorPolicy(),
+        epoch: int = 0,
+    ) -> None:
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, not {batch_size}")
+        if order not in ("completion", "input"):
+            raise ConfigError(f"order must be 'completion' or 'input', not {order!r}")
+        if ids is None and not hasattr(source, "read_split") and not isinstance(source, str):
+            raise ConfigError("this source has no catalog: pass ids=IdList(...)")
+        self.dataset, self.split = dataset, split
+        self.batch_size, self.drop_last, self.order = batch_size, drop_last, order
+        self.plan_options, self.prefetch, self.retry, self.hedge, self.errors = plan, prefetch, retry, hedge, errors
+        self.epoch = epoch
+        self._ids = ids
+        self._counters = Counters()
+        self._queue: queue.Queue = queue.Queue()
+        self._gen = 0  # generation of the running epoch; stale queue items are dropped
+        self._plan: EpochPlan | None = None
+        self._delivered: Progress | None = None
+        self._run: EpochRun | None = None
+        self._closed = False
+        self._lt = _LoopThread()
+        self._state: dict = {}
+        self._finalizer = weakref.finalize(self, _shutdown, self._lt, self._state)
+        try:
+            self._source, owned = self._lt.call(_open_source(source))
+        except BaseException:
+            self._finalizer()
+            raise
+        self._state["source"] = (self._source, owned)
+
+    # --- epochs ------------------------------------------------------------------
+    def _idlist(self) -> IdList:
+        if self._ids is None:
+            self._ids = self._lt.call(self._source.read_split(self.dataset, self.split))
+        return self._ids
+
+    def _plan_for(self, epoch: int) -> EpochPlan:
+        if self._plan is None or self._plan.epoch != epoch:
+            self._plan = make_plan(self._idlist(), epoch, self.plan_options)
+        return self._plan
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+        n = len(self._plan_for(self.epoch))
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning at the next iteration."""
+        self._stop_run()
+        self.epoch = epoch
+        self._delivered = None
+
+    def _stop_run(self) -> None:
+        self._gen += 1
+        task = self._state.pop("task", None)
+        if task is not None:
+            self._lt.loop.call_soon_threadsafe(task.cancel)
+        self._run = None
+
+    def _start_run(self) -> None:
+        if self._closed:
+            raise DataferryError("loader is closed")
+        self._stop_run()
+        plan = self._plan_for(self.epoch)
+        if self._delivered is None or self._delivered.n != len(plan):
+            self._delivered = Progress(len(plan))
+        gen = self._gen
+        q = self._queue
+
+        def emit(item, gen=gen):
+            q.put((gen, item))
+
+        self._counters.ready_bytes = 0
+        run = EpochRun(
+            self._source, self.dataset, plan,
+            batch_size=self.batch_size, drop_last=self.drop_last, in_order=self.order == "input",
+            prefetch=self.prefetch, retry=self.retry, hedge=self.hedge, errors=self.errors,
+            counters=self._counters, emit=emit, done=self._delivered,
+        )
+        self._run = run
+
+        async def main():
+            try:
+                await run.run()
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                emit(_Failed(exc))
+
+        fut = asyncio.run_coroutine_threadsafe(main(), self._lt.loop)
+        self._state["task"] = _FutureTask(fut, self._lt.loop)
+
+    # --- iteration -----------------------------------------------------------------
+    def __iter__(self) -> Iterator[Batch]:
+        self._start_run()
+        return self
+
+    def __next__(self) -> Batch:
+        return self.get()
+
+    def get(self, timeout: float | None = None) -> Batch:
+        """The next batch of the running epoch; StopIteration at its end.
+
+        Raises TimeoutError when no batch arrives within ``timeout`` seconds,
+        and the engine's error (e.g. SampleFailed naming the sample) if it failed.
+        """
+        if self._run is None:
+            if self._closed:
+                raise DataferryError("loader is closed")
+            self._start_run()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                gen, item = self._queue.get_nowait()
+            except queue.Empty:
+                t0 = time.monotonic()
+                try:
+                    left = None if deadline is None else max(0.0, deadline - t0)
+                    gen, item = self._queue.get(timeout=left)
+                except queue.Empty:
+                    raise TimeoutError(f"no batch of {self.dataset!r} within {timeout} s") from None
+                finally:
+                    self._counters.stall += time.monotonic() - t0
+            if gen != self._gen:
+                continue
+            return self._accept(item)
+
+    def _accept(self, item) -> Batch:
+        run, delivered = self._run, self._delivered
+        if isinstance(item, Batch):
+            self._lt.loop.call_soon_threadsafe(run.release, item.nbytes)
+            for p in item.positions.tolist():
+                delivered.add(p)
+            for p in item.skipped:
+                delivered.add(p)
+            return item
+        self._stop_run()
+        if isinstance(item, EndOfEpoch):
+            for p in item.skipped:
+                delivered.add(p)
+            self.epoch += 1
+            self._delivered = None
+            raise StopIteration
+        raise item.exc
+
+    # --- resume ------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What was delivered so far: enough to resume exactly (JSON-safe)."""
+        plan = self._plan_for(self.epoch)
+        done = self._delivered or Progress(len(plan))
+        return {
+            "version": _STATE_VERSION,
+            "dataset": self.dataset,
+            "split": self.split,
+            "epoch": self.epoch,
+            "seed": plan.seed,
+            "rank": plan.rank,
+            "world_size": plan.world_size,
+            "split_digest": plan.source_digest,
+            "num_samples": len(plan),
+            "frontier": done.frontier,
+            "beyond": done.beyond(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`: the next iteration delivers exactly
+        the samples of that epoch not delivered before it was taken."""
+        if state.get("version") != _STATE_VERSION:
+            raise ConfigError(f"unsupported loader state version {state.get('version')!r}")
+        self._stop_run()
+        self.epoch = int(state["epoch"])
+        plan = self._plan_for(self.epoch)
+        checks = {
+            "dataset": self.dataset, "seed": plan.seed, "rank": plan.rank,
+            "world_size": plan.world_size, "split_digest": plan.source_digest, "num_samples": len(plan),
+        }
+        for key, mine in checks.items():
+            if state.get(key) != mine:
+                raise ConfigError(f"loader state does not match this loader: {key} is {state.get(key)!r}, not {mine!r}")
+        self._delivered = Progress(len(plan), int(state["frontier"]), state["beyond"])
+
+    # --- stats and lifetime --------------------------------------------------------------
+    def stats(self) -> Stats:
+        return self._counters.snapshot()
+
+    def close(self) -> None:
+        """Stop the engine, close an owned source, end the thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_run()
+        self._finalizer()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _FutureTask:
+    """Cancel handle for a coroutine running on the loop thread."""
+
+    def __init__(self, fut, loop) -> None:
+        self._fut, self._loop = fut, loop
+
+    def cancel(self) -> None:
+        self._fut.cancel()

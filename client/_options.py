@@ -1,0 +1,141 @@
+"""Small frozen option objects for the loader; validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from dataferry.schema._errors import ConfigError
+
+__all__ = ["PlanOptions", "Prefetch", "Retry", "Hedge", "ErrorPolicy"]
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanOptions:
+    """How an epoch's order and this rank's shard are chosen.
+
+    ``rank``/``world_size`` default (when None) to torch.distributed when it is
+    initialized, else the ``RANK``/``WORLD_SIZE`` variables torchrun sets, else
+    0 and 1. Explicit values always win.
+
+    ``uneven``: when the sample count is not a multiple of ``world_size``,
+    ``"pad"`` repeats the first samples of the epoch's permutation so every
+    rank gets ``ceil(N / world_size)`` (some samples are seen twice per
+    epoch, as torch's DistributedSampler does); ``"drop"`` drops the tail of
+    the permutation so every rank gets ``floor(N / world_size)`` (a different
+    few samples are left out each epoch).
+    """
+
+    seed: int = 0
+    shuffle: bool = True
+    rank: int | None = None
+    world_size: int | None = None
+    uneven: Literal["pad", "drop"] = "pad"
+
+    def __post_init__(self) -> None:
+        _check(self.uneven in ("pad", "drop"), f"uneven must be 'pad' or 'drop', not {self.uneven!r}")
+        if self.world_size is not None:
+            _check(self.world_size >= 1, f"world_size must be >= 1, not {self.world_size}")
+        if self.rank is not None:
+            _check(self.rank >= 0, f"rank must be >= 0, not {self.rank}")
+            if self.world_size is not None:
+                _check(self.rank < self.world_size, f"rank {self.rank} out of range for world_size {self.world_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetch:
+    """The window of requests in flight and the memory budget.
+
+    The window starts at ``initial_inflight`` requests and grows by one per
+    completed request (doubling per round trip) up to ``max_inflight``.
+    ``max_bytes`` caps bytes in flight (estimated from the running mean sample
+    size) plus bytes ready but not yet taken by the consumer. ``request_size``
+    is the ids per request; None lets the source choose (its
+    ``preferred_request_size``, else 32).
+    """
+
+    max_inflight: int = 64
+    initial_inflight: int = 2
+    max_bytes: int = 512 << 20
+    request_size: int | None = None
+    #: assumed bytes per sample until the first answers arrive
+    sample_bytes_hint: int = 128 << 10
+
+    def __post_init__(self) -> None:
+        _check(self.max_inflight >= 1, "max_inflight must be >= 1")
+        _check(1 <= self.initial_inflight <= self.max_inflight, "initial_inflight must be in [1, max_inflight]")
+        _check(self.max_bytes >= 1 << 16, "max_bytes must be at least 64 KiB")
+        _check(self.request_size is None or self.request_size >= 1, "request_size must be >= 1")
+        _check(self.sample_bytes_hint >= 1, "sample_bytes_hint must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """Per-request timeout, and retries with exponential backoff and jitter.
+
+    A sample is tried at most ``attempts`` times; before try k (k >= 2) the
+    engine waits ``min(backoff * 2**(k-2), max_backoff)`` scaled by a random
+    factor in ``[1 - jitter, 1]``.
+    """
+
+    attempts: int = 5
+    timeout: float = 30.0
+    backoff: float = 0.05
+    max_backoff: float = 2.0
+    jitter: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check(self.attempts >= 1, "attempts must be >= 1")
+        _check(self.timeout > 0, "timeout must be > 0")
+        _check(0 <= self.backoff <= self.max_backoff, "need 0 <= backoff <= max_backoff")
+        _check(0 <= self.jitter <= 1, "jitter must be in [0, 1]")
+
+    def delay(self, attempt: int, rand: float) -> float:
+        """Backoff before ``attempt`` (2 = first retry); ``rand`` in [0, 1)."""
+        base = min(self.backoff * (2 ** max(0, attempt - 2)), self.max_backoff)
+        return base * (1 - self.jitter * rand)
+
+
+@dataclass(frozen=True, slots=True)
+class Hedge:
+    """Duplicate a straggling request; the first answer per sample wins.
+
+    A request outstanding longer than ``max(min_delay, factor * p95)`` of
+    recent request latencies is sent again (the ids not yet answered), once.
+    At most ``max_fraction`` of the window may be hedges.
+    """
+
+    enabled: bool = True
+    factor: float = 2.0
+    min_delay: float = 0.05
+    max_fraction: float = 0.25
+    #: latencies remembered for the quantile
+    history: int = 256
+
+    def __post_init__(self) -> None:
+        _check(self.factor >= 1, "hedge factor must be >= 1")
+        _check(self.min_delay >= 0, "hedge min_delay must be >= 0")
+        _check(0 < self.max_fraction <= 1, "hedge max_fraction must be in (0, 1]")
+        _check(self.history >= 8, "hedge history must be >= 8")
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorPolicy:
+    """What happens to a sample that fails for good (unknown id, retries spent).
+
+    ``"raise"``: iteration raises, naming the sample id. ``"skip"``: the sample
+    is left out and counted; more than ``max_skipped`` skips in one epoch
+    raises.
+    """
+
+    on_error: Literal["raise", "skip"] = "raise"
+    max_skipped: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.on_error in ("raise", "skip"), f"on_error must be 'raise' or 'skip', not {self.on_error!r}")
+        _check(self.max_skipped >= 0, "max_skipped must be >= 0")
