@@ -86,6 +86,7 @@ class _Req:
     start: float
     attempt: int
     reserved: int
+    per_sample: int = 0
     hedge: bool = False
     twin: _Req | None = None
     deadline: float = float("inf")  # when to hedge it
@@ -227,8 +228,9 @@ class EpochRun:
             by_id.setdefault(int(ids[p]), []).append(p)
             self._cover[p] = self._cover.get(p, 0) + 1
             self._attempts[p] = max(self._attempts.get(p, 0), attempt)
-        reserved = int(len(positions) * self._mean_bytes)
-        req = _Req(by_id, now, attempt, reserved, hedge=hedge_of is not None, twin=hedge_of)
+        per_sample = int(self._mean_bytes)
+        reserved = per_sample * len(positions)
+        req = _Req(by_id, now, attempt, reserved, per_sample, hedge=hedge_of is not None, twin=hedge_of)
         if hedge_of is not None:
             hedge_of.twin = req
             self.c.hedges += 1
@@ -254,6 +256,9 @@ class EpochRun:
         if positions is None or result.id in req.answered:
             return  # not asked for in this request; never trust it
         req.answered.add(result.id)
+        take = min(req.reserved, req.per_sample * len(positions))
+        req.reserved -= take
+        self._reserved -= take
         if isinstance(result, SampleNotFound):
             for p in positions:
                 if p not in self.completed:

@@ -1,0 +1,319 @@
+"""The prefetch engine against in-memory and fault-injecting sources."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import tracemalloc
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from dataferry.client import (
+    ErrorPolicy,
+    Faults,
+    FaultySource,
+    Hedge,
+    Loader,
+    MemorySource,
+    PlanOptions,
+    Prefetch,
+    Retry,
+    SampleFailed,
+    make_plan,
+)
+from dataferry.schema import IdList, Sample
+from dataferry.schema._errors import ConfigError
+
+
+def drain(loader) -> list[int]:
+    out = []
+    for batch in loader:
+        assert batch.ids.dtype == np.int64 and batch.labels.dtype == np.int32
+        assert all(d.dtype == np.uint8 for d in batch.data)
+        out.extend(batch.ids.tolist())
+    return out
+
+
+class JitterSource(MemorySource):
+    """Per-request latency drawn at random: answers come back out of order."""
+
+    def __init__(self, *a, lo=0.0, hi=0.02, seed=0, **kw):
+        super().__init__(*a, **kw)
+        self._rng = np.random.default_rng(seed)
+        self.lo, self.hi = lo, hi
+
+    async def fetch(self, dataset, ids):
+        await asyncio.sleep(float(self._rng.uniform(self.lo, self.hi)))
+        async for r in super().fetch(dataset, ids):
+            yield r
+
+
+def synthetic(n=2000, size=256, **kw):
+    return MemorySource.synthetic("d", n, size=size, **kw)
+
+
+# --- the plan ---------------------------------------------------------------------------
+@pytest.mark.parametrize("uneven", ["pad", "drop"])
+@pytest.mark.parametrize("n,world", [(1003, 4), (1000, 8), (7, 3)])
+def test_shards_are_disjoint_equal_and_cover(n, world, uneven):
+    idl = IdList(np.arange(n) * 7 + 1, np.arange(n) % 5)
+    plans = [make_plan(idl, 3, PlanOptions(seed=11, rank=r, world_size=world, uneven=uneven)) for r in range(world)]
+    sizes = {len(p) for p in plans}
+    assert len(sizes) == 1
+    per_rank = -(-n // world) if uneven == "pad" else n // world
+    assert sizes == {per_rank}
+    allids = np.concatenate([p.ids for p in plans])
+    counts = Counter(allids.tolist())
+    if uneven == "pad":
+        assert set(counts) == set(idl.ids.tolist())
+        assert sum(c - 1 for c in counts.values()) == per_rank * world - n  # only the padding repeats
+    else:
+        assert all(c == 1 for c in counts.values()) and len(counts) == per_rank * world
+    for p in plans:  # labels travel with their ids
+        assert np.array_equal(p.labels, ((p.ids - 1) // 7) % 5)
+
+
+def test_plan_is_deterministic_per_seed_and_epoch():
+    idl = IdList(np.arange(500), np.zeros(500))
+    a = make_plan(idl, 2, PlanOptions(seed=5, rank=1, world_size=2))
+    b = make_plan(idl, 2, PlanOptions(seed=5, rank=1, world_size=2))
+    c = make_plan(idl, 3, PlanOptions(seed=5, rank=1, world_size=2))
+    d = make_plan(idl, 2, PlanOptions(seed=6, rank=1, world_size=2))
+    assert np.array_equal(a.ids, b.ids)
+    assert not np.array_equal(a.ids, c.ids) and not np.array_equal(a.ids, d.ids)
+    assert np.array_equal(make_plan(idl, 0, PlanOptions(shuffle=False)).ids, idl.ids)
+
+
+def test_rank_defaults_come_from_torchrun_variables(monkeypatch):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    idl = IdList(np.arange(30), np.zeros(30))
+    p = make_plan(idl, 0, PlanOptions())
+    assert (p.rank, p.world_size, len(p)) == (2, 3, 10)
+    assert make_plan(idl, 0, PlanOptions(rank=0, world_size=1)).world_size == 1  # explicit wins
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(ConfigError, match="RANK"):
+        make_plan(idl, 0, PlanOptions())
+
+
+# --- exactly once ---------------------------------------------------------------------------
+def test_every_sample_once_per_epoch_out_of_order():
+    src = JitterSource("d", synthetic(3000).samples.values(), hi=0.03)
+    with Loader(src, "d", batch_size=64) as loader:
+        for epoch in range(2):
+            got = drain(loader)
+            assert sorted(got) == list(range(3000)), epoch
+        assert loader.epoch == 2
+
+
+def test_exactly_once_across_errors_timeouts_drops_and_hedges():
+    faults = Faults(error=0.08, drop=0.08, hang=0.04, slow=0.08, slow_delay=0.4, seed=3)
+    src = FaultySource(JitterSource("d", synthetic(4000).samples.values(), hi=0.01), faults)
+    loader = Loader(
+        src, "d", batch_size=50,
+        retry=Retry(attempts=10, timeout=0.25, backoff=0.005, max_backoff=0.05),
+        hedge=Hedge(factor=2.0, min_delay=0.02),
+        prefetch=Prefetch(request_size=16, max_inflight=32),
+    )
+    with loader:
+        got = drain(loader)
+        stats = loader.stats()
+    assert Counter(got) == Counter(range(4000))
+    assert all(src.injected[k] > 0 for k in src.injected), src.injected
+    assert stats.retries > 0 and stats.failures > 0 and stats.hedges > 0
+
+
+def test_in_order_mode_is_in_order_and_default_is_not():
+    src = JitterSource("d", synthetic(1500).samples.values(), hi=0.02, seed=1)
+    plan = PlanOptions(seed=9)
+    expected = make_plan(IdList(np.arange(1500), np.arange(1500) % 10), 0, plan).ids.tolist()
+    with Loader(src, "d", batch_size=32, order="input", plan=plan) as loader:
+        assert drain(loader) == expected
+    with Loader(src, "d", batch_size=32, plan=plan) as loader:
+        ooo = drain(loader)
+    assert sorted(ooo) == sorted(expected) and ooo != expected
+
+
+def test_last_partial_batch_and_drop_last():
+    src = synthetic(1000)
+    with Loader(src, "d", batch_size=300) as loader:
+        sizes = [len(b) for b in loader]
+        assert sorted(sizes) == [100, 300, 300, 300] and len(loader) == 4
+    with Loader(src, "d", batch_size=300, drop_last=True) as loader:
+        assert [len(b) for b in loader] == [300, 300, 300] and len(loader) == 3
+
+
+# --- errors ------------------------------------------------------------------------------------
+def test_unknown_id_raises_naming_it():
+    src = synthetic(100)
+    ids = IdList(np.array(list(range(50)) + [424242]), np.zeros(51))
+    with Loader(src, "d", ids=ids, batch_size=8) as loader:
+        with pytest.raises(SampleFailed, match="424242"):
+            drain(loader)
+
+
+def test_skip_policy_counts_and_has_a_budget():
+    src = synthetic(100)
+    ids = IdList(np.array(list(range(60)) + [-1, -2]), np.zeros(62))
+    with Loader(src, "d", ids=ids, batch_size=8, errors=ErrorPolicy("skip", max_skipped=2)) as loader:
+        assert sorted(drain(loader)) == list(range(60))
+        assert loader.stats().skipped == 2
+    with Loader(src, "d", ids=ids, batch_size=8, errors=ErrorPolicy("skip", max_skipped=1)) as loader:
+        with pytest.raises(SampleFailed):
+            drain(loader)
+
+
+def test_retries_are_bounded_and_name_the_sample():
+    src = FaultySource(synthetic(50), Faults(error=1.0))
+    retry = Retry(attempts=3, backoff=0.001, max_backoff=0.002)
+    with Loader(src, "d", batch_size=10, retry=retry, hedge=Hedge(enabled=False)) as loader:
+        t0 = time.monotonic()
+        with pytest.raises(SampleFailed, match="after 3 attempt") as info:
+            drain(loader)
+        assert time.monotonic() - t0 < 5
+    assert "injected" in str(info.value)
+
+
+def test_get_times_out_on_a_dead_source_and_close_is_idempotent():
+    src = FaultySource(synthetic(50), Faults(hang=1.0))
+    loader = Loader(src, "d", batch_size=10, retry=Retry(timeout=60))
+    with pytest.raises(TimeoutError, match="'d'"):
+        loader.get(timeout=0.3)
+    loader.close()
+    loader.close()
+    assert not loader._lt.thread.is_alive()
+
+
+def test_options_are_validated():
+    with pytest.raises(ConfigError):
+        Prefetch(max_inflight=0)
+    with pytest.raises(ConfigError):
+        Retry(attempts=0)
+    with pytest.raises(ConfigError):
+        PlanOptions(rank=3, world_size=2)
+    with pytest.raises(ConfigError):
+        ErrorPolicy("ignore")
+    with pytest.raises(ConfigError):
+        Loader(synthetic(10), "d", batch_size=0)
+
+
+# --- memory ---------------------------------------------------------------------------------------
+class FreshBytesSource(MemorySource):
+    """Allocates every answer anew, as a network receive would."""
+
+    def __init__(self, n, size):
+        super().__init__("d", [], latency=0.0)
+        self.n, self.size = n, size
+
+    async def fetch(self, dataset, ids):
+        await asyncio.sleep(0.001)
+        for i in ids:
+            yield Sample(i, i % 10, os.urandom(self.size))
+
+    async def read_split(self, dataset, split):
+        return IdList(np.arange(self.n), np.arange(self.n) % 10)
+
+
+def test_memory_stays_within_the_byte_budget_on_a_dataset_ten_times_larger():
+    budget, size, n = 4 << 20, 32 << 10, 1280  # 40 MiB of data, 4 MiB budget
+    src = FreshBytesSource(n, size)
+    prefetch = Prefetch(max_bytes=budget, max_inflight=64, request_size=8, sample_bytes_hint=size)
+    tracemalloc.start()
+    try:
+        with Loader(src, "d", batch_size=16, prefetch=prefetch) as loader:
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            total = 0
+            for batch in loader:
+                total += sum(len(d) for d in batch.data)
+                time.sleep(0.002)  # a slow consumer: the engine must wait, not buffer
+                del batch
+            peak = tracemalloc.get_traced_memory()[1] - base
+            stats = loader.stats()
+    finally:
+        tracemalloc.stop()
+    assert total == n * size >= 10 * budget
+    assert stats.peak_bytes <= budget
+    assert peak <= budget + (2 << 20), f"peak {peak / 2**20:.1f} MiB over a {budget / 2**20:.0f} MiB budget"
+
+
+# --- resume ---------------------------------------------------------------------------------------
+def test_state_dict_resume_delivers_exactly_the_rest():
+    src = JitterSource("d", synthetic(2000).samples.values(), hi=0.02, seed=4)
+    with Loader(src, "d", batch_size=50, plan=PlanOptions(seed=1)) as first:
+        first.set_epoch(3)
+        it = iter(first)
+        seen = [i for _ in range(13) for i in next(it).ids.tolist()]
+        state = json.loads(json.dumps(first.state_dict()))
+    assert state["epoch"] == 3 and len(state["beyond"]) < 2000
+    with Loader(src, "d", batch_size=50, plan=PlanOptions(seed=1)) as second:
+        second.load_state_dict(state)
+        rest = drain(second)
+        assert second.epoch == 4
+    assert Counter(seen + rest) == Counter(range(2000))
+    with Loader(src, "d", batch_size=50, plan=PlanOptions(seed=2)) as other:
+        with pytest.raises(ConfigError, match="seed"):
+            other.load_state_dict(state)
+
+
+def test_breaking_out_and_iterating_again_continues_the_epoch():
+    src = JitterSource("d", synthetic(600).samples.values(), hi=0.01)
+    with Loader(src, "d", batch_size=20) as loader:
+        part = []
+        for i, b in enumerate(loader):
+            part += b.ids.tolist()
+            if i == 4:
+                break
+        rest = drain(loader)
+    assert Counter(part + rest) == Counter(range(600))
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, os, sys
+    from dataferry.client import Loader, MemorySource, PlanOptions
+    from tests.test_engine import JitterSource, synthetic
+    ckpt = sys.argv[1]
+    src = JitterSource("d", synthetic(3000).samples.values(), hi=0.02, seed=8)
+    loader = Loader(src, "d", batch_size=40, plan=PlanOptions(seed=3))
+    consumed = []
+    if os.path.exists(ckpt):
+        saved = json.load(open(ckpt))
+        loader.load_state_dict(saved["loader"])
+        consumed = saved["consumed"]
+    for batch in loader:
+        consumed += batch.ids.tolist()      # "train" on the batch, then checkpoint
+        tmp = ckpt + ".tmp"
+        json.dump({"loader": loader.state_dict(), "consumed": consumed}, open(tmp, "w"))
+        os.replace(tmp, ckpt)
+        print(len(consumed), flush=True)
+    print("done", flush=True)
+    """
+)
+
+
+def test_resume_after_a_real_kill_mid_epoch(tmp_path):
+    ckpt = str(tmp_path / "ckpt.json")
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, ckpt], stdout=subprocess.PIPE, text=True, env=env)
+    for line in child.stdout:
+        if line.strip().isdigit() and int(line) >= 1200:
+            child.kill()  # SIGKILL mid-epoch: no cleanup runs
+            break
+    child.wait(30)
+    child.stdout.close()
+    with open(ckpt) as f:
+        saved = json.load(f)
+    assert 1200 <= len(saved["consumed"]) < 3000
+    out = subprocess.run([sys.executable, "-c", _CHILD, ckpt], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    with open(ckpt) as f:
+        final = json.load(f)["consumed"]
+    assert Counter(final) == Counter(range(3000))  # every sample once: none lost, none repeated
