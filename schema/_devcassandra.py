@@ -256,7 +256,12 @@ def _probe(host: str, port: int) -> str:
 
     profile = ExecutionProfile(load_balancing_policy=RoundRobinPolicy(), consistency_level=ConsistencyLevel.ONE)
     cluster = Cluster(
-        [host], port=port, protocol_version=1, execution_profiles={EXEC_PROFILE_DEFAULT: profile}, connect_timeout=2
+        [host],
+        port=port,
+        protocol_version=1,
+        execution_profiles={EXEC_PROFILE_DEFAULT: profile},
+        connect_timeout=2,
+        schema_metadata_enabled=False,
     )
     try:
         session = cluster.connect()

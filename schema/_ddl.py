@@ -1,0 +1,112 @@
+"""``schema apply``: create dataferry's keyspace and tables on Cassandra/ScyllaDB.
+
+The statements come from ``cassandra.cql`` (the readable source of truth); the
+keyspace name, the replication map and the compression map written there are
+replaced with the store URL's. Statements are idempotent: an object that
+already exists is left as it is (Cassandra 1.2 has no ``IF NOT EXISTS``), so
+running ``apply`` again is safe; it does not change the replication of an
+existing keyspace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from importlib import resources
+
+from ._errors import StoreError, StoreTimeout, StoreUnavailable
+from ._url import CassandraOptions
+
+__all__ = ["apply_schema", "apply_schema_sync", "schema_statements"]
+
+_DEFAULT_KEYSPACE = "dataferry"
+_DEFAULT_REPLICATION = "{'class': 'SimpleStrategy', 'replication_factor': '1'}"
+MODERN_NO_COMPRESSION = "{'enabled': 'false'}"
+LEGACY_NO_COMPRESSION = "{'sstable_compression': ''}"
+
+#: seconds for one DDL statement and for schema agreement after it
+_DDL_TIMEOUT = 60.0
+
+
+def _cql_map(m: dict[str, str]) -> str:
+    return "{" + ", ".join(f"'{k}': '{v}'" for k, v in m.items()) + "}"
+
+
+def schema_statements(opts: CassandraOptions, *, legacy_compression: bool = False) -> list[str]:
+    """The statements of ``cassandra.cql`` for ``opts``, in order."""
+    text = resources.files(__package__).joinpath("cassandra.cql").read_text(encoding="utf-8")
+    body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))
+    statements = []
+    for raw in body.split(";"):
+        stmt = raw.strip()
+        if not stmt:
+            continue
+        stmt = re.sub(rf"\b{_DEFAULT_KEYSPACE}\b(?=\.|\s+WITH\b)", opts.keyspace, stmt)
+        stmt = stmt.replace(_DEFAULT_REPLICATION, _cql_map(opts.replication_map()))
+        if legacy_compression:
+            stmt = stmt.replace(MODERN_NO_COMPRESSION, LEGACY_NO_COMPRESSION)
+        statements.append(stmt)
+    return statements
+
+
+def _swap_compression(stmt: str) -> str | None:
+    if MODERN_NO_COMPRESSION in stmt:
+        return stmt.replace(MODERN_NO_COMPRESSION, LEGACY_NO_COMPRESSION)
+    if LEGACY_NO_COMPRESSION in stmt:
+        return stmt.replace(LEGACY_NO_COMPRESSION, MODERN_NO_COMPRESSION)
+    return None
+
+
+def apply_schema_sync(opts: CassandraOptions) -> list[str]:
+    """Blocking form of :func:`apply_schema`."""
+    from cassandra import AlreadyExists, DriverException, RequestValidationException
+
+    from ._cassandra import connect, where
+
+    cluster, session, _ = connect(opts, max_schema_agreement_wait=_DDL_TIMEOUT)
+    applied = []
+    try:
+        release = session.execute("SELECT release_version FROM system.local", timeout=_DDL_TIMEOUT).one()[0]
+        legacy = int(release.split(".")[0]) < 3  # ScyllaDB reports 3.0.8
+        for stmt in schema_statements(opts, legacy_compression=legacy):
+            try:
+                try:
+                    session.execute(stmt, timeout=_DDL_TIMEOUT)
+                except AlreadyExists:
+                    applied.append(stmt)
+                    continue
+                except RequestValidationException:
+                    # The other compression syntax; e.g. ScyllaDB speaks the legacy one.
+                    other = _swap_compression(stmt)
+                    if other is None:
+                        raise
+                    stmt = other
+                    try:
+                        session.execute(stmt, timeout=_DDL_TIMEOUT)
+                    except AlreadyExists:
+                        applied.append(stmt)
+                        continue
+            except DriverException as exc:
+                raise StoreError(f"schema apply on cassandra store {where(opts)} failed at: {stmt}\n{exc}") from exc
+            # The driver skips its own wait when schema metadata is off (see connect()).
+            if not cluster.control_connection.wait_for_schema_agreement(wait_time=_DDL_TIMEOUT):
+                raise StoreTimeout(
+                    f"schema apply on cassandra store {where(opts)}: nodes did not agree on the schema within "
+                    f"{_DDL_TIMEOUT:g} s after: {stmt}; check that all nodes are up, then run apply again"
+                )
+            applied.append(stmt)
+    except DriverException as exc:
+        raise StoreUnavailable(f"schema apply on cassandra store {where(opts)}: {exc}") from exc
+    finally:
+        cluster.shutdown()
+    return applied
+
+
+async def apply_schema(opts: CassandraOptions) -> list[str]:
+    """Create the keyspace and tables; return the statements, in order.
+
+    Objects that already exist are kept (their statement is still listed).
+    Raise StoreUnavailable when the cluster cannot be reached, StoreError when
+    a statement is rejected.
+    """
+    return await asyncio.to_thread(apply_schema_sync, opts)
