@@ -197,6 +197,11 @@ class DevCassandra:
 
     # --- what clients need -----------------------------------------------------
     @property
+    def pid(self) -> int | None:
+        """The JVM's process id (also its process group), or None when stopped."""
+        return None if self._proc is None else self._proc.pid
+
+    @property
     def log_path(self) -> Path:
         assert self.workdir is not None, "not started"
         return self.workdir / "cassandra.log"

