@@ -1,0 +1,309 @@
+"""The ``dataferry`` command line.
+
+Each subcommand is two plain functions: ``configure(parser)`` declares its
+arguments (cheap: it runs for ``--help``) and ``run(args) -> int`` does the
+work, importing numpy, Pillow and the stores only then, so ``dataferry
+--help`` answers at once. :func:`command` registers a pair; later subcommands
+(``serve``, ``latency-proxy``, ``bench``) register the same way.
+
+Exit status: 0 on success; 1 when ingest rejected files (unless
+``--allow-rejects``); 2 for usage, configuration and store errors, printed as
+one line ``dataferry: error: <message>``; 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from ._errors import ConfigError, DataferryError
+from ._url import DEFAULT_STORE_URL
+
+__all__ = ["main", "command"]
+
+Configure = Callable[[argparse.ArgumentParser], None]
+_COMMANDS: dict[str, tuple[str, Configure]] = {}
+
+
+def command(name: str, help: str) -> Callable[[Configure], Configure]:
+    """Register ``configure(parser)``; it must ``parser.set_defaults(run=...)``."""
+
+    def register(configure: Configure) -> Configure:
+        _COMMANDS[name] = (help, configure)
+        return configure
+
+    return register
+
+
+def _store_arg(p: argparse.ArgumentParser, default: str = DEFAULT_STORE_URL) -> None:
+    p.add_argument("--store", default=default, metavar="URL", help=f"store URL (default: {default})")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _run(coro) -> object:
+    import asyncio
+
+    return asyncio.run(coro)
+
+
+async def _with_store(url: str, fn, *, create: bool = True):
+    from ._open import open_store
+
+    store = await open_store(url, create=create)
+    try:
+        return await fn(store)
+    finally:
+        await store.close()
+
+
+# --- ingest -------------------------------------------------------------------
+
+
+@command("ingest", "validate images (a folder or a manifest) and store them as a dataset")
+def _configure_ingest(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", nargs="?", metavar="SRC", help="ImageFolder directory, or a .csv/.jsonl manifest")
+    p.add_argument("--dataset", required=True, help="dataset name")
+    _store_arg(p)
+    p.add_argument("--format", choices=("jpeg", "png"), help="re-encode to this format (default: keep the bytes)")
+    p.add_argument("--quality", type=_positive, default=90, help="JPEG quality when re-encoding (default: 90)")
+    p.add_argument("--max-side", type=_positive, metavar="N", help="downscale so no side exceeds N (needs --format)")
+    p.add_argument("--max-pixels", type=_positive, metavar="N", help="decompression-bomb limit (default: Pillow's)")
+    p.add_argument("--workers", type=_positive, metavar="N", help="validation processes (default: one per core)")
+    p.add_argument("--allow-rejects", action="store_true", help="exit 0 even when some files were rejected")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    g = p.add_argument_group("synthetic data (instead of SRC)")
+    g.add_argument("--synthetic", type=_positive, metavar="N", help="generate N ImageNet-like JPEGs and ingest them")
+    g.add_argument("--classes", type=_positive, metavar="K", help="synthetic classes (default: 10)")
+    g.add_argument("--seed", type=int, help="synthetic seed (default: 0)")
+    g.add_argument("--keep-dir", metavar="DIR", help="generate into DIR and keep it (default: a temporary folder)")
+    p.set_defaults(run=_run_ingest)
+
+
+def _run_ingest(args: argparse.Namespace) -> int:
+    if (args.src is None) == (args.synthetic is None):
+        raise ConfigError("ingest needs a source: give SRC or --synthetic N (not both)")
+    if args.synthetic is None and (args.classes or args.seed is not None or args.keep_dir):
+        raise ConfigError("--classes, --seed and --keep-dir go with --synthetic")
+    from ._ingest import IngestOptions, ingest
+    from ._validate import DEFAULT_MAX_PIXELS
+
+    options = IngestOptions(
+        format=args.format,
+        quality=args.quality,
+        max_side=args.max_side,
+        max_pixels=args.max_pixels or DEFAULT_MAX_PIXELS,
+        workers=args.workers,
+        allow_rejects=args.allow_rejects,
+    )
+    progress = False if args.quiet else None
+
+    def go(src: str) -> int:
+        report = _run(_with_store(args.store, lambda s: ingest(s, src, args.dataset, options, progress=progress)))
+        print(report.summary())
+        return 0 if report.ok else 1
+
+    if args.src is not None:
+        return go(args.src)
+    return _with_synthetic(args, go)
+
+
+def _with_synthetic(args: argparse.Namespace, go: Callable[[str], int]) -> int:
+    import tempfile
+    import time
+
+    from ._synthetic import make_synthetic
+
+    def make(folder: str) -> int:
+        t0 = time.perf_counter()
+        syn = make_synthetic(folder, args.synthetic, classes=args.classes or 10, seed=args.seed or 0)
+        print(
+            f"generated {syn.num_images} images in {len(syn.label_names)} classes "
+            f"({syn.total_bytes / 1e6:.1f} MB, mean {syn.mean_bytes / 1e3:.0f} KB) "
+            f"in {time.perf_counter() - t0:.2f} s under {folder}"
+        )
+        return go(folder)
+
+    if args.keep_dir:
+        return make(args.keep_dir)
+    with tempfile.TemporaryDirectory(prefix="dataferry-synthetic-") as tmp:
+        return make(tmp)
+
+
+# --- split ----------------------------------------------------------------------
+
+
+@command("split", "make disjoint splits (train/val/...) of a dataset's samples")
+def _configure_split(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset", required=True, help="dataset name")
+    p.add_argument("--ratios", required=True, metavar="NAME=R,...", help="e.g. train=0.8,val=0.1,test=0.1")
+    p.add_argument("--stratify", action="store_true", help="keep each label's proportions in every split")
+    p.add_argument("--seed", type=int, default=0, help="shuffle seed (default: 0)")
+    _store_arg(p)
+    p.set_defaults(run=_run_split)
+
+
+def _run_split(args: argparse.Namespace) -> int:
+    from ._model import ALL_SPLIT
+    from ._splits import make_splits, parse_ratios
+
+    ratios = parse_ratios(args.ratios)
+
+    async def go(store):
+        idlist = await store.read_split(args.dataset, ALL_SPLIT)
+        splits = make_splits(idlist, ratios, stratify=args.stratify, seed=args.seed)
+        for name, ids in splits.items():
+            await store.put_split(args.dataset, name, ids)
+        others = [s.name for s in await store.list_splits(args.dataset) if s.name not in splits and s.name != ALL_SPLIT]
+        return len(idlist), splits, others
+
+    total, splits, others = _run(_with_store(args.store, go, create=False))
+    rows = [(name, len(ids), f"{len(ids) / total:.1%}" if total else "-") for name, ids in splits.items()]
+    print(f"dataset {args.dataset!r}: {total} samples split{' (stratified)' if args.stratify else ''}, seed {args.seed}")
+    print(_table(("SPLIT", "SAMPLES", "SHARE"), rows))
+    if others:
+        print(f"note: other splits left as they were and may overlap these: {', '.join(others)}")
+    return 0
+
+
+# --- ls -------------------------------------------------------------------------
+
+
+@command("ls", "list datasets, their splits and sizes")
+def _configure_ls(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dataset", nargs="?", metavar="DATASET", help="show one dataset in detail")
+    _store_arg(p)
+    p.set_defaults(run=_run_ls)
+
+
+def _run_ls(args: argparse.Namespace) -> int:
+    async def go(store):
+        infos = [await store.get_dataset(args.dataset)] if args.dataset else await store.list_datasets()
+        return [(info, await store.list_splits(info.name)) for info in infos]
+
+    listing = _run(_with_store(args.store, go, create=False))
+    if not listing:
+        print(f"no datasets in {args.store}")
+        return 0
+    if args.dataset:
+        info, splits = listing[0]
+        names = ", ".join(info.label_names[:20]) + (", ..." if info.num_classes > 20 else "")
+        print(f"dataset {info.name!r}: {info.num_samples} samples, {info.num_classes} classes, "
+              f"created {info.created:%Y-%m-%d %H:%M:%S}")
+        print(f"classes: {names}")
+        print(_table(("SPLIT", "SAMPLES"), [(s.name, s.num_ids) for s in splits]))
+        return 0
+    rows = [
+        (info.name, info.num_samples, info.num_classes, " ".join(f"{s.name}={s.num_ids}" for s in splits),
+         f"{info.created:%Y-%m-%d %H:%M}")
+        for info, splits in listing
+    ]
+    print(_table(("DATASET", "SAMPLES", "CLASSES", "SPLITS", "CREATED"), rows))
+    return 0
+
+
+def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
+    cells = [header, *[tuple(str(c) for c in r) for r in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    numeric = [all(str(r[i]).replace("%", "").replace(".", "").isdigit() for r in rows) for i in range(len(header))]
+    fmt = [(str.rjust if num else str.ljust) for num in numeric]
+    return "\n".join("  ".join(f(c, w) for f, c, w in zip(fmt, r, widths)).rstrip() for r in cells)
+
+
+# --- schema -----------------------------------------------------------------------
+
+
+@command("schema", "create (apply) or print (show) the Cassandra/ScyllaDB schema")
+def _configure_schema(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    for action, text in (("apply", "create the keyspace and tables (idempotent)"), ("show", "print the CQL")):
+        q = sub.add_parser(action, help=text, description=text)
+        q.add_argument("--store", required=action == "apply", metavar="URL", help="cassandra://HOSTS/KEYSPACE")
+        q.add_argument("--replication", metavar="R", help="SimpleStrategy:RF or NetworkTopologyStrategy:dc1=RF,...")
+        q.set_defaults(run=_run_schema)
+
+
+def _run_schema(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from ._url import CassandraOptions, parse_store_url
+
+    opts = parse_store_url(args.store) if args.store else CassandraOptions()
+    if not isinstance(opts, CassandraOptions):
+        raise ConfigError(f"schema {args.action} is for cassandra:// stores; {args.store!r} creates its own tables")
+    if args.replication:
+        opts = dataclasses.replace(opts, replication=args.replication)
+    from ._ddl import apply_schema, schema_statements
+
+    if args.action == "show":
+        print("\n\n".join(f"{stmt};" for stmt in schema_statements(opts)))
+        return 0
+    applied = _run(apply_schema(opts))
+    print(f"schema applied to keyspace {opts.keyspace!r}: {len(applied)} statements (existing objects kept)")
+    return 0
+
+
+# --- demo -------------------------------------------------------------------------
+
+
+@command("demo", "generate synthetic images, ingest them, read them all back and check them")
+def _configure_demo(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--images", type=_positive, default=300, metavar="N", help="synthetic images (default: 300)")
+    _store_arg(p, "sqlite:dataferry-demo.db")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.set_defaults(run=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from ._demo import DemoOptions, run_demo
+
+    report = _run(run_demo(DemoOptions(images=args.images, store_url=args.store, progress=False if args.quiet else None)))
+    print(report.summary())
+    return 0
+
+
+# --- main -------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dataferry",
+        description="Store images in Cassandra/ScyllaDB or SQLite and stream them to training jobs.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (text, configure) in _COMMANDS.items():
+        configure(sub.add_parser(name, help=text, description=text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``dataferry`` command line; return the exit status."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error (already printed)
+        return exc.code if isinstance(exc.code, int) else 2
+    if not hasattr(args, "run"):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.run(args)
+    except DataferryError as exc:
+        print(f"dataferry: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dataferry: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
