@@ -29,6 +29,11 @@ class OddTree:
     bad: dict[str, str] = field(default_factory=dict)
     #: relpaths that must be skipped as non-images
     junk: list[str] = field(default_factory=list)
+    #: relpath -> the name on disk (which may be NFD)
+    disk: dict[str, Path] = field(default_factory=dict)
+
+    def path(self, rel: str) -> Path:
+        return self.disk[rel]
 
     @property
     def classes(self) -> tuple[str, ...]:
@@ -70,6 +75,7 @@ def build_odd_tree(root: str | os.PathLike[str]) -> OddTree:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
         key = unicodedata.normalize("NFC", rel)
+        tree.disk[key] = path
         if kind == "valid":
             tree.valid[key] = key.split("/", 1)[0]
         elif kind == "bad":
