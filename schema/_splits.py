@@ -65,9 +65,15 @@ def split_counts(n: int, ratios: Mapping[str, float], carry: dict[str, float] | 
     """
     carry = carry if carry is not None else {}
     names = list(ratios)
-    exact = [n * ratios[k] for k in names]
-    counts = [math.floor(x) for x in exact]
-    order = sorted(range(len(names)), key=lambda i: (-(carry.get(names[i], 0.0) + exact[i] - counts[i]), i))
+    total = math.fsum(ratios.values())
+    exact = [n * ratios[k] / total for k in names]
+    counts = [math.floor(x + 1e-9) for x in exact]  # 2.0000000000000004 is 2
+
+    def key(i: int):  # a split already at its exact share gets a leftover last
+        frac = exact[i] - counts[i]
+        return (frac <= 1e-9, -(carry.get(names[i], 0.0) + frac), i)
+
+    order = sorted(range(len(names)), key=key)
     for i in order[: n - sum(counts)]:
         counts[i] += 1
     for k, x, c in zip(names, exact, counts):
