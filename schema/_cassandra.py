@@ -9,33 +9,27 @@ reads and writes together, and every bulk operation keeps at most that many
 pending, however many ids it is given.
 
 What the oldest supported server (Cassandra 1.2, native protocol v1) forces:
-
-* an explicit consistency on every request (the driver's default LOCAL_ONE
-  does not exist in v1; the server drops the connection);
-* no batches, no ``IF NOT EXISTS``, no server-side paging: writes are single
-  statements, pages are followed only where v2+ servers send them.
-
-The driver negotiates the protocol version down to v1 by itself (it logs one
-"Downgrading core protocol version" line per step; pass
-``protocol_version=1`` in the URL to skip that).
+no batches, no ``IF NOT EXISTS``, no null bind values, no server-side paging.
+So writes are single statements that name only the columns they set, and
+pages are followed only where v2+ servers send them. Connection set-up and
+the translation of driver errors live in ``_cqlconnect.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as _dt
-import math
-import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
 from functools import partial
 
-from ._errors import ConfigError, DatasetNotFound, SampleNotFound, SplitNotFound, StoreError, StoreTimeout, StoreUnavailable
+from ._cqlconnect import connect, translate, where
+from ._errors import DatasetNotFound, SampleNotFound, SplitNotFound, StoreError, StoreUnavailable
 from ._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo, check_name
 from ._store import FetchResult, SampleRecord
 from ._url import CassandraOptions, redact_url
 
-__all__ = ["CassandraStore", "connect"]
+__all__ = ["CassandraStore"]
 
 # (name, CQL with {ks}, number of leading bind markers that form the partition key)
 _STATEMENTS = {
@@ -67,111 +61,6 @@ _STATEMENTS = {
 }
 
 
-def where(opts: CassandraOptions) -> str:
-    """``host1,host2:port/keyspace``: names the store in messages, never the password."""
-    return f"{','.join(opts.hosts)}:{opts.port}/{opts.keyspace}"
-
-
-def _ssl_context(opts: CassandraOptions) -> ssl.SSLContext | None:
-    if not (opts.tls or opts.tls_ca or opts.tls_cert):
-        return None
-    try:
-        ctx = ssl.create_default_context(cafile=opts.tls_ca)
-        if opts.tls_cert:
-            ctx.load_cert_chain(opts.tls_cert, opts.tls_key)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"cassandra TLS files (tls_ca={opts.tls_ca}, tls_cert={opts.tls_cert}): {exc}") from exc
-    if not opts.tls_verify:
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    return ctx
-
-
-def _auth_provider(cluster, username: str, password: str | None):
-    from cassandra.auth import PlainTextAuthProvider
-
-    class _Auth(PlainTextAuthProvider):
-        # Protocol v1 (Cassandra 1.2) sends a credentials map, not SASL.
-        def new_authenticator(self, host):
-            if cluster.protocol_version == 1:
-                return {"username": self.username, "password": self.password}
-            return super().new_authenticator(host)
-
-    return _Auth(username, password or "")
-
-
-def connect(opts: CassandraOptions, **cluster_args):
-    """Blocking: ``(cluster, session, keyspace_exists)`` for ``opts``; no keyspace is set.
-
-    Raise StoreUnavailable naming the hosts when none answers. Used by the store
-    and by ``schema apply``.
-    """
-    from cassandra import ConsistencyLevel
-    from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, NoHostAvailable
-    from cassandra.policies import DCAwareRoundRobinPolicy, HostDistance, RoundRobinPolicy, TokenAwarePolicy
-    from cassandra.query import tuple_factory
-
-    child = DCAwareRoundRobinPolicy(opts.local_dc) if opts.local_dc else RoundRobinPolicy()
-    profile = ExecutionProfile(
-        load_balancing_policy=TokenAwarePolicy(child),
-        consistency_level=ConsistencyLevel.name_to_value[opts.consistency],
-        request_timeout=opts.request_timeout,
-        row_factory=tuple_factory,
-    )
-    if opts.protocol_version is not None:
-        cluster_args["protocol_version"] = opts.protocol_version
-    cluster = Cluster(
-        list(opts.hosts),
-        port=opts.port,
-        execution_profiles={EXEC_PROFILE_DEFAULT: profile},
-        connect_timeout=opts.connect_timeout,
-        control_connection_timeout=opts.connect_timeout,
-        ssl_context=_ssl_context(opts),
-        compression=False,  # encoded images do not compress
-        schema_metadata_enabled=False,  # we need the keyspace only; loaded below
-        **cluster_args,
-    )
-    if opts.username:
-        cluster.auth_provider = _auth_provider(cluster, opts.username, opts.password)
-    try:
-        session = cluster.connect()
-        exists = opts.keyspace in _keyspaces(session)
-        if exists:  # replica placement for token-aware routing needs the keyspace's replication
-            cluster.refresh_keyspace_metadata(opts.keyspace)
-    except Exception as exc:
-        cluster.shutdown()
-        if isinstance(exc, NoHostAvailable) or _is_connection_error(exc):
-            raise StoreUnavailable(f"cannot connect to cassandra store {where(opts)}: {exc}") from exc
-        raise StoreError(f"cassandra store {where(opts)}: {exc}") from exc
-    if cluster.protocol_version < 3:
-        # v1/v2 allow 128 requests per connection: open enough for `concurrency`.
-        n = min(8, max(2, math.ceil(opts.concurrency / 100) + 1))
-        cluster.set_max_connections_per_host(HostDistance.LOCAL, n)
-        cluster.set_core_connections_per_host(HostDistance.LOCAL, n)
-    return cluster, session, exists
-
-
-def _keyspaces(session) -> set[str]:
-    table = "system_schema.keyspaces" if session.cluster.protocol_version >= 4 else "system.schema_keyspaces"
-    try:
-        return {row[0] for row in session.execute(f"SELECT keyspace_name FROM {table}")}
-    except Exception:  # noqa: BLE001 - ScyllaDB/Cassandra 3 on v3: try the other table
-        other = "system.schema_keyspaces" if table.startswith("system_schema") else "system_schema.keyspaces"
-        return {row[0] for row in session.execute(f"SELECT keyspace_name FROM {other}")}
-
-
-def _is_connection_error(exc: BaseException) -> bool:
-    from cassandra import AuthenticationFailed, Unavailable
-    from cassandra.connection import ConnectionException
-
-    return isinstance(exc, (ConnectionException, AuthenticationFailed, Unavailable, OSError))
-
-
-def _missing_schema(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return "keyspace" in text and ("does not exist" in text or "not exist" in text) or "unconfigured" in text
-
-
 class CassandraStore:
     """The Cassandra/ScyllaDB store. Open with :func:`dataferry.schema.open_store`."""
 
@@ -201,12 +90,8 @@ class CassandraStore:
             await asyncio.to_thread(cluster.shutdown)
             if not isinstance(exc, Exception) or isinstance(exc, StoreUnavailable):
                 raise
-            if _missing_schema(exc):
-                raise StoreUnavailable(
-                    f"cassandra store {where(opts)} has no dataferry schema in keyspace {opts.keyspace!r} ({exc}); "
-                    f"create it with: dataferry schema apply --store {redact_url(url)}"
-                ) from exc
-            raise StoreError(f"cassandra store {where(opts)}: preparing statements failed: {exc}") from exc
+            err = translate(exc, f"cassandra store {where(opts)}: preparing statements", url=url)
+            raise err from (None if err is exc else exc)
         return cls(opts, url, cluster, session, dict(zip(names, prepared)))
 
     @staticmethod
@@ -279,7 +164,10 @@ class CassandraStore:
                 key, rows, exc = done.popleft()
                 pending -= 1
                 if exc is not None:
-                    raise self._error(exc, what) from exc
+                    err = self._error(exc, what)
+                    if err is exc:
+                        raise exc
+                    raise err from exc
                 yield key, rows
 
     async def _one(self, name: str, params: tuple, what: str) -> list:
@@ -288,19 +176,7 @@ class CassandraStore:
         raise AssertionError("unreachable")
 
     def _error(self, exc: BaseException, what: str) -> BaseException:
-        from cassandra import DriverException, OperationTimedOut, Timeout
-        from cassandra.cluster import NoHostAvailable
-
-        msg = f"cassandra store {self._where}: {what}"
-        if isinstance(exc, (OperationTimedOut, Timeout)):
-            return StoreTimeout(f"{msg}: timed out (request_timeout={self._opts.request_timeout:g} s): {exc}")
-        if isinstance(exc, NoHostAvailable) or _is_connection_error(exc):
-            return StoreUnavailable(f"{msg}: store unreachable: {exc}")
-        if isinstance(exc, DriverException):
-            if _missing_schema(exc):
-                return StoreUnavailable(f"{msg}: {exc}; run: dataferry schema apply --store {redact_url(self.url)}")
-            return StoreError(f"{msg}: {exc}")
-        return exc  # a bug on our side (e.g. a bad bind value): not a store error
+        return translate(exc, f"cassandra store {self._where}: {what}", url=self.url)
 
     # --- the seam ------------------------------------------------------------------
     async def fetch(self, dataset: str, ids: Sequence[int]) -> AsyncIterator[FetchResult]:

@@ -14,7 +14,7 @@ import asyncio
 import re
 from importlib import resources
 
-from ._errors import StoreError, StoreTimeout, StoreUnavailable
+from ._errors import StoreTimeout
 from ._url import CassandraOptions
 
 __all__ = ["apply_schema", "apply_schema_sync", "schema_statements"]
@@ -57,46 +57,55 @@ def _swap_compression(stmt: str) -> str | None:
     return None
 
 
+def _execute(session, stmt: str) -> str:
+    """Run one DDL statement; return the form that ran. AlreadyExists counts as done.
+
+    A rejected compression map is retried in the other syntax; if that fails
+    too, the first error is raised.
+    """
+    from cassandra import AlreadyExists, RequestValidationException
+
+    try:
+        session.execute(stmt, timeout=_DDL_TIMEOUT)
+        return stmt
+    except AlreadyExists:
+        return stmt
+    except RequestValidationException as exc:
+        other = _swap_compression(stmt)
+        if other is None:
+            raise
+        first = exc
+    try:
+        session.execute(other, timeout=_DDL_TIMEOUT)
+    except AlreadyExists:
+        pass
+    except RequestValidationException:
+        raise first from None
+    return other
+
+
 def apply_schema_sync(opts: CassandraOptions) -> list[str]:
     """Blocking form of :func:`apply_schema`."""
-    from cassandra import AlreadyExists, DriverException, RequestValidationException
-
-    from ._cassandra import connect, where
+    from ._cqlconnect import connect, translate, where
 
     cluster, session, _ = connect(opts, max_schema_agreement_wait=_DDL_TIMEOUT)
-    applied = []
+    applied: list[str] = []
+    stmt = "SELECT release_version FROM system.local"
     try:
-        release = session.execute("SELECT release_version FROM system.local", timeout=_DDL_TIMEOUT).one()[0]
+        release = session.execute(stmt, timeout=_DDL_TIMEOUT).one()[0]
         legacy = int(release.split(".")[0]) < 3  # ScyllaDB reports 3.0.8
         for stmt in schema_statements(opts, legacy_compression=legacy):
-            try:
-                try:
-                    session.execute(stmt, timeout=_DDL_TIMEOUT)
-                except AlreadyExists:
-                    applied.append(stmt)
-                    continue
-                except RequestValidationException:
-                    # The other compression syntax; e.g. ScyllaDB speaks the legacy one.
-                    other = _swap_compression(stmt)
-                    if other is None:
-                        raise
-                    stmt = other
-                    try:
-                        session.execute(stmt, timeout=_DDL_TIMEOUT)
-                    except AlreadyExists:
-                        applied.append(stmt)
-                        continue
-            except DriverException as exc:
-                raise StoreError(f"schema apply on cassandra store {where(opts)} failed at: {stmt}\n{exc}") from exc
+            applied.append(_execute(session, stmt))
             # The driver skips its own wait when schema metadata is off (see connect()).
             if not cluster.control_connection.wait_for_schema_agreement(wait_time=_DDL_TIMEOUT):
                 raise StoreTimeout(
                     f"schema apply on cassandra store {where(opts)}: nodes did not agree on the schema within "
                     f"{_DDL_TIMEOUT:g} s after: {stmt}; check that all nodes are up, then run apply again"
                 )
-            applied.append(stmt)
-    except DriverException as exc:
-        raise StoreUnavailable(f"schema apply on cassandra store {where(opts)}: {exc}") from exc
+    except Exception as exc:
+        short = " ".join(stmt.split())[:90]
+        err = translate(exc, f"schema apply on cassandra store {where(opts)} failed at [{short}]")
+        raise err from (None if err is exc else exc)
     finally:
         cluster.shutdown()
     return applied
