@@ -1,0 +1,777 @@
+"""A userspace TCP proxy that emulates a wide-area link.
+
+Tests and benchmarks put it between a client and a server where a kernel
+without ``sch_netem`` cannot do ``tc qdisc add ... netem delay 50ms rate 1gbit``.
+``dataferry latency-proxy`` runs it from the command line.
+
+It behaves like a pipe with propagation delay, not like stop-and-wait. Each
+direction of each connection is one :class:`_Pipe`::
+
+    source --read--> deque[(release_time, chunk)] --writer task--> destination
+      paused while the deque holds          sleeps until the head's release
+      max_buffer bytes (backpressure)       time, writes every due chunk, drains
+
+A chunk read at time *t* is released at *t + delay*, so reading goes on while
+earlier chunks are in flight: a round trip grows by exactly 2 × delay and a
+bulk transfer keeps its throughput (the proxy holds the bandwidth-delay
+product). Jitter varies each chunk's delay within ± jitter but never reorders:
+a release time is never earlier than the one before it. A rate serialises
+chunks one after another ("next free time"), before the delay, like netem.
+
+A fresh connection pays the TCP handshake's round trip: data the client sends
+reaches the upstream no earlier than 3 × delay after the connection was
+accepted (SYN, SYN-ACK, then the data), and data the upstream sends first
+reaches the client no earlier than 2 × delay. ``handshake=False`` turns this
+off.
+
+End of stream travels like data: an EOF is delivered, after the delay, as
+``write_eof`` on the other side, so half-closed connections work. A reset
+reaches the other side as a reset (``SO_LINGER`` 0) after the delay; a failed
+write resets both sides at once. With no delay, jitter or rate a pipe is a
+plain read-write-drain loop with no queue and no timers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import logging
+import math
+import random
+import re
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, fields
+
+from dataferry.schema._errors import ConfigError
+
+__all__ = [
+    "LinkOptions",
+    "ProxyStats",
+    "LatencyProxy",
+    "ProxyThread",
+    "serve_proxy",
+    "parse_duration",
+    "parse_rate",
+    "add_cli_arguments",
+    "cli",
+]
+
+logger = logging.getLogger(__name__)
+
+#: bytes asked of the source per read
+_CHUNK = 256 << 10
+#: the smallest read when a rate is set (one packet, roughly)
+_MIN_RATE_CHUNK = 1500
+#: without a rate, a direction holds at most this many bytes by default
+DEFAULT_MAX_BUFFER = 64 << 20
+#: a socket's write buffer pauses its writer above HIGH, resumes it below LOW
+_WRITE_HIGH = 1 << 20
+_WRITE_LOW = 256 << 10
+#: seconds to open the upstream connection
+_CONNECT_TIMEOUT = 10.0
+#: the shortest sleep: timers of some loops (uvloop) have 1 ms resolution
+_TIMER_SLACK = 0.001
+
+Address = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class LinkOptions:
+    """One emulated link. Every value applies to each direction on its own."""
+
+    #: one-way propagation delay, seconds
+    delay: float = 0.0
+    #: each chunk's delay varies uniformly within ± jitter seconds; order is kept
+    jitter: float = 0.0
+    #: bandwidth in bytes per second; None: unlimited
+    rate: float | None = None
+    #: bytes one direction of one connection may hold before it stops reading;
+    #: None: 64 MiB, or 2 × rate × delay (at least four reads) when rate is set
+    max_buffer: int | None = None
+    #: charge a fresh connection the round trip of the TCP handshake
+    handshake: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("delay", "jitter"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"link {name} must be a finite number of seconds >= 0, not {value!r}")
+        if self.rate is not None and not (
+            isinstance(self.rate, (int, float)) and math.isfinite(self.rate) and self.rate > 0
+        ):
+            raise ConfigError(f"link rate must be a positive number of bytes/s or None, not {self.rate!r}")
+        if self.max_buffer is not None and not (isinstance(self.max_buffer, int) and self.max_buffer >= 1):
+            raise ConfigError(f"link max_buffer must be a positive number of bytes or None, not {self.max_buffer!r}")
+
+    @property
+    def transparent(self) -> bool:
+        """True when the link adds nothing: no delay, jitter or rate."""
+        return self.delay == 0 and self.jitter == 0 and self.rate is None
+
+    @property
+    def read_size(self) -> int:
+        """Bytes asked per read: about 1 ms of the rate, so a rate stays smooth."""
+        if self.rate is None:
+            size = _CHUNK
+        else:
+            size = max(_MIN_RATE_CHUNK, min(_CHUNK, int(self.rate * 0.001)))
+        return min(size, self.buffer_cap)
+
+    @property
+    def buffer_cap(self) -> int:
+        """Bytes one direction of one connection may hold (see ``max_buffer``)."""
+        if self.max_buffer is not None:
+            return self.max_buffer
+        if self.rate is None:
+            return DEFAULT_MAX_BUFFER
+        per_read = max(_MIN_RATE_CHUNK, min(_CHUNK, int(self.rate * 0.001)))
+        return max(4 * per_read, int(2 * self.rate * self.delay))
+
+    def describe(self) -> str:
+        """``delay 50ms, jitter 5ms, rate 125 MB/s`` for logs and the CLI."""
+        parts = [f"delay {_format_seconds(self.delay)}"]
+        if self.jitter:
+            parts.append(f"jitter {_format_seconds(self.jitter)}")
+        parts.append(f"rate {self.rate / 1e6:g} MB/s" if self.rate else "rate unlimited")
+        if not self.handshake:
+            parts.append("no handshake")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyStats:
+    """A snapshot of a proxy's counters."""
+
+    #: connections accepted so far
+    connections: int = 0
+    #: connections open now
+    active: int = 0
+    #: connections closed because the upstream could not be reached
+    refused: int = 0
+    #: bytes delivered client -> upstream
+    bytes_up: int = 0
+    #: bytes delivered upstream -> client
+    bytes_down: int = 0
+    #: bytes held in the proxy now, all connections, both directions
+    buffered: int = 0
+    #: the most bytes one direction of one connection held at once
+    peak_buffered: int = 0
+
+
+@dataclass(slots=True)
+class _Counters:
+    connections: int = 0
+    active: int = 0
+    refused: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    buffered: int = 0
+    peak_buffered: int = 0
+
+    def snapshot(self) -> ProxyStats:
+        return ProxyStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+def _reset(transport: asyncio.BaseTransport | None) -> None:
+    """Close with a TCP reset (SO_LINGER 0), not a FIN, dropping unsent data."""
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except (OSError, ValueError):
+            pass  # already closed
+    transport.abort()
+
+
+class _Side(asyncio.BufferedProtocol):
+    """One socket of a relayed connection, the client's or the upstream's.
+
+    What it reads goes into ``out``; ``into`` writes to it.
+    """
+
+    def __init__(self, conn: _Connection) -> None:
+        self.conn = conn
+        self.transport: asyncio.Transport | None = None
+        self.out: _Pipe
+        self.into: _Pipe
+        self.lost = False
+        self._view: memoryview | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        transport.set_write_buffer_limits(high=_WRITE_HIGH, low=_WRITE_LOW)
+        self.conn.side_made(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._view is None:
+            self._view = memoryview(bytearray(self.out.read_size))
+        return self._view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.out.feed(bytes(self._view[:nbytes]))
+
+    def eof_received(self) -> bool:
+        self.out.feed_end(b"")
+        return True  # keep the socket open: the other direction may go on
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.conn.side_lost(self, exc)
+
+    def pause_writing(self) -> None:
+        self.into.set_blocked(True)
+
+    def resume_writing(self) -> None:
+        self.into.set_blocked(False)
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+
+class _Pipe:
+    """One direction of one connection: hold each chunk until it is due.
+
+    ``queue`` holds ``(release time, chunk)``; ``b""`` is end of stream and
+    ``None`` a reset. A timer fires at the head's release time and writes every
+    chunk that is due, until the destination's write buffer is full
+    (``pause_writing``). The source stops reading while one more read could
+    take ``held`` past the cap, while the destination is not connected yet,
+    and, on a transparent link, while the destination's buffer is full. A
+    transparent link with an empty queue writes each read straight through.
+    """
+
+    def __init__(self, conn: _Connection, src: _Side, dst: _Side, *, upward: bool, not_before: float) -> None:
+        link = conn.link
+        self._conn = conn
+        self._link = link
+        self._counters = conn.counters
+        self._src = src
+        self._dst = dst
+        self._upward = upward
+        self._direct = link.transparent
+        self._cap = link.buffer_cap
+        self.read_size = link.read_size
+        self._queue: collections.deque[tuple[float, bytes | None]] = collections.deque()
+        self.held = 0
+        self._timer: asyncio.TimerHandle | asyncio.Handle | None = None
+        self._started = False  # the destination is connected
+        self._blocked = False  # the destination's write buffer is full
+        self._paused = False  # we paused reading the source
+        self._last_release = not_before
+        self._next_free = 0.0
+        self.dead = False  # the destination is gone: drop what comes
+        self.done = False  # end of stream delivered
+
+    def start(self) -> None:
+        """The destination is connected: deliver what waited for it."""
+        self._started = True
+        if self._queue and not self.dead:
+            self._flush()
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        # with some hysteresis: once full, read again when a quarter is free
+        full = self.held + self.read_size > (self._cap - self._cap // 4 if self._paused else self._cap)
+        pause = not self._started or full or (self._direct and self._blocked)
+        if pause != self._paused and not self.dead:
+            self._paused = pause
+            (self._src.pause_reading if pause else self._src.resume_reading)()
+
+    def _delivered(self, size: int) -> None:
+        if self._upward:
+            self._counters.bytes_up += size
+        else:
+            self._counters.bytes_down += size
+
+    def _release_time(self, size: int) -> float:
+        link = self._link
+        now = time.monotonic()
+        if link.rate is not None:
+            self._next_free = max(now, self._next_free) + size / link.rate
+            now = self._next_free
+        delay = link.delay
+        if link.jitter:
+            delay = max(0.0, delay + random.uniform(-link.jitter, link.jitter))
+        self._last_release = max(now + delay, self._last_release)
+        return self._last_release
+
+    def feed(self, data: bytes) -> None:
+        if self.dead:
+            return
+        if self._direct and self._started and not self._queue:
+            self._dst.transport.write(data)  # may call pause_writing
+            self._delivered(len(data))
+            return
+        size = len(data)
+        self._queue.append((self._release_time(size), data))
+        self.held += size
+        counters = self._counters
+        counters.buffered += size
+        if self.held > counters.peak_buffered:
+            counters.peak_buffered = self.held
+        self._update_reading()
+        if self._timer is None and self._started and not self._blocked:
+            self._flush()
+
+    def feed_end(self, marker: bytes | None) -> None:
+        """End of stream (``b""``) or a reset (``None``) from the source."""
+        if self.dead:
+            return
+        self._queue.append((self._release_time(0), marker))
+        if self._timer is None and self._started and not self._blocked:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Write every chunk that is due; arm the timer for the next one."""
+        self._timer = None
+        queue, transport = self._queue, self._dst.transport
+        now = time.monotonic()
+        written = 0
+        while queue and not self._blocked:
+            release, data = queue[0]
+            if release > now:
+                self._timer = self._conn.loop.call_later(max(release - now, _TIMER_SLACK), self._flush)
+                break
+            queue.popleft()
+            if not data:
+                self._deliver_end(data)
+                break
+            transport.write(data)  # may call pause_writing, which sets _blocked
+            written += len(data)
+        if written:
+            self.held -= written
+            self._counters.buffered -= written
+            self._delivered(written)
+            self._update_reading()
+
+    def _deliver_end(self, marker: bytes | None) -> None:
+        self.done = True
+        if marker is None:
+            self._conn.reset()
+            return
+        transport = self._dst.transport
+        if not transport.is_closing() and transport.can_write_eof():
+            transport.write_eof()
+        self._conn.pipe_done()
+
+    def set_blocked(self, blocked: bool) -> None:
+        """The destination's write buffer filled up (or drained again)."""
+        self._blocked = blocked
+        self._update_reading()
+        if not blocked and self._timer is None and self._queue and not self.dead:
+            self._timer = self._conn.loop.call_soon(self._flush)
+
+    def kill(self) -> None:
+        """The destination is gone: drop what is held and what comes."""
+        self.dead = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._queue.clear()
+        self._counters.buffered -= self.held
+        self.held = 0
+
+
+class _Connection:
+    """A client socket, its upstream socket and the two pipes between them.
+
+    It lives from the client's ``connection_made`` until both sockets are
+    lost; ``finished`` resolves then.
+    """
+
+    def __init__(self, proxy: LatencyProxy) -> None:
+        self.proxy = proxy
+        self.link = proxy.link
+        self.counters = proxy._counters
+        self.loop = asyncio.get_running_loop()
+        self.client = _Side(self)
+        self.upstream = _Side(self)
+        self.finished = self.loop.create_future()
+        self.connecting: asyncio.Task | None = None
+        self._closing = False
+        self._registered = False
+
+    def side_made(self, side: _Side) -> None:
+        if self._closing or self.proxy._closed:
+            self._closing = True
+            _reset(side.transport)
+            return
+        if side is self.upstream:
+            return
+        self._registered = True
+        self.proxy._conns.add(self)
+        self.counters.connections += 1
+        self.counters.active += 1
+        handshake = self.link.delay if self.link.handshake else 0.0
+        accepted = time.monotonic()
+        # a fresh connection: SYN, SYN-ACK, then the client's data (3 one-way
+        # delays); the upstream's first bytes follow its SYN-ACK (2)
+        up = _Pipe(self, self.client, self.upstream, upward=True, not_before=accepted + 3 * handshake)
+        down = _Pipe(self, self.upstream, self.client, upward=False, not_before=accepted + 2 * handshake)
+        self.client.out = self.upstream.into = up
+        self.upstream.out = self.client.into = down
+        down.start()  # the upstream's data is for the client, who is here
+        self.connecting = self.loop.create_task(self._connect())
+        self.connecting.add_done_callback(lambda _: self._maybe_finish())
+
+    async def _connect(self) -> None:
+        host, port = self.proxy.upstream
+        try:
+            await asyncio.wait_for(self.loop.create_connection(lambda: self.upstream, host, port), _CONNECT_TIMEOUT)
+        except (OSError, asyncio.TimeoutError) as exc:
+            self.counters.refused += 1
+            peer = self.client.transport.get_extra_info("peername") or ("?", 0)
+            logger.warning(
+                "latency proxy: cannot reach upstream %s (%s); reset the client connection from %s",
+                _format_address((host, port)), exc or type(exc).__name__, _format_address(peer),
+            )
+            self.reset()
+            return
+        if self._closing:
+            _reset(self.upstream.transport)
+        else:
+            self.client.out.start()
+
+    def side_lost(self, side: _Side, exc: Exception | None) -> None:
+        if not self._closing:
+            # the peer reset (or the socket failed): nothing more can be written
+            # to it, and the other side hears of it one delay later
+            side.into.kill()
+            side.out.feed_end(None)
+        self._maybe_finish()
+
+    def pipe_done(self) -> None:
+        """End of stream went both ways: close both sockets."""
+        if self.client.out.done and self.upstream.out.done and not self._closing:
+            self._closing = True
+            self.client.transport.close()
+            self.upstream.transport.close()
+
+    def reset(self) -> None:
+        """Reset both sockets now."""
+        self._closing = True
+        if self.connecting is not None:
+            self.connecting.cancel()
+        for side in (self.client, self.upstream):
+            if self._registered:
+                side.out.kill()
+            if not side.lost:
+                _reset(side.transport)
+
+    def _maybe_finish(self) -> None:
+        if self.finished.done() or not self.client.lost:
+            return
+        if self.upstream.transport is not None and not self.upstream.lost:
+            return
+        if self.connecting is not None and not self.connecting.done():
+            return
+        if self._registered:
+            self.client.out.kill()
+            self.upstream.out.kill()
+            self.proxy._conns.discard(self)
+            self.counters.active -= 1
+        self.finished.set_result(None)
+
+
+class LatencyProxy:
+    """An asyncio TCP proxy that puts an emulated link in front of ``upstream``.
+
+    ``async with LatencyProxy(("127.0.0.1", 9042), LinkOptions(delay=0.05)) as p:``
+    then connect to ``p.address``. Each accepted connection opens one upstream
+    connection. An upstream that cannot be reached closes the client connection
+    with a reset, is logged, and the proxy keeps serving.
+    """
+
+    def __init__(self, upstream: Address, link: LinkOptions = LinkOptions(), listen: Address = ("127.0.0.1", 0)) -> None:
+        self.upstream = (upstream[0], int(upstream[1]))
+        self.link = link
+        self._listen = (listen[0], int(listen[1]))
+        self._server: asyncio.AbstractServer | None = None
+        self._conns: set[_Connection] = set()
+        self._counters = _Counters()
+        self._closed = False
+        self.address: Address | None = None
+
+    @property
+    def stats(self) -> ProxyStats:
+        return self._counters.snapshot()
+
+    async def start(self) -> LatencyProxy:
+        if self._server is not None or self._closed:
+            raise RuntimeError("a LatencyProxy starts once")
+        host, port = self._listen
+        loop = asyncio.get_running_loop()
+        try:
+            self._server = await loop.create_server(lambda: _Connection(self).client, host, port)
+        except OSError as exc:
+            raise OSError(exc.errno, f"latency proxy cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+        self.address = self._server.sockets[0].getsockname()[:2]
+        return self
+
+    async def close(self) -> None:
+        """Stop listening and reset every open connection. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        conns = list(self._conns)
+        for conn in conns:
+            conn.reset()
+        await asyncio.gather(*(conn.finished for conn in conns))
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def __aenter__(self) -> LatencyProxy:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, proxy: LatencyProxy) -> None:
+    if thread is threading.current_thread():
+        raise RuntimeError("ProxyThread.close() called from the proxy's own event loop")
+    if thread.is_alive():
+        try:
+            asyncio.run_coroutine_threadsafe(proxy.close(), loop).result(timeout=30)
+        except Exception:  # noqa: BLE001 - shutting down regardless
+            logger.exception("latency proxy: close failed")
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+    if not loop.is_closed():
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+class ProxyThread:
+    """A :class:`LatencyProxy` in its own event-loop thread, for sync callers.
+
+    ``with ProxyThread(upstream, LinkOptions(delay=0.05)) as proxy:`` then
+    connect to ``proxy.address``. ``close()`` is safe to call twice and also
+    runs when the object is collected or the interpreter exits.
+    """
+
+    def __init__(self, upstream: Address, link: LinkOptions = LinkOptions(), listen: Address = ("127.0.0.1", 0)) -> None:
+        self._proxy = LatencyProxy(upstream, link, listen)
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def address(self) -> Address | None:
+        return self._proxy.address
+
+    @property
+    def link(self) -> LinkOptions:
+        return self._proxy.link
+
+    @property
+    def stats(self) -> ProxyStats:
+        return self._proxy.stats
+
+    def start(self) -> ProxyThread:
+        if self._finalizer is not None:
+            raise RuntimeError("a ProxyThread starts once")
+        loop = _new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="dataferry-latency-proxy", daemon=True)
+        thread.start()
+        self._finalizer = weakref.finalize(self, _shutdown, loop, thread, self._proxy)
+        try:
+            asyncio.run_coroutine_threadsafe(self._proxy.start(), loop).result(timeout=30)
+        except BaseException:
+            self._finalizer()
+            raise
+        return self
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self) -> ProxyThread:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+async def serve_proxy(listen: Address, upstream: Address, link: LinkOptions) -> None:
+    """Run a proxy until cancelled, SIGINT or SIGTERM.
+
+    Prints ``latency proxy listening on HOST:PORT -> upstream HOST:PORT (...)``
+    once it is bound, so a caller that asked for port 0 can read the port.
+    """
+    async with LatencyProxy(upstream, link, listen) as proxy:
+        host, port = proxy.address
+        print(
+            f"latency proxy listening on {_format_address((host, port))} -> upstream "
+            f"{_format_address(proxy.upstream)} ({link.describe()})",
+            flush=True,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        installed = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass  # not the main thread, or no signals on this platform
+        try:
+            await stop.wait()
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+
+
+_NUMBER = r"(\d+(?:\.\d*)?|\.\d+)(?:[eE]([-+]?\d+))?"
+_DURATION = re.compile(rf"\s*{_NUMBER}\s*([a-zµ]*)\s*", re.IGNORECASE)
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+_RATE = re.compile(rf"\s*{_NUMBER}\s*([a-z]*)(/s)?\s*", re.IGNORECASE)
+_BIT_UNITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8}
+_BYTE_UNITS = {
+    "": 1.0, "B": 1.0, "kB": 1e3, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+    "KiB": 1024.0, "MiB": 1024.0**2, "GiB": 1024.0**3, "TiB": 1024.0**4,
+}
+
+
+def _number(match: re.Match) -> float:
+    mantissa, exponent = match.group(1), match.group(2)
+    return float(mantissa + (f"e{exponent}" if exponent else ""))
+
+
+def parse_duration(text: str | float) -> float:
+    """``"50ms"``, ``"200us"``, ``"1.5s"`` or ``"0.05"`` (seconds) -> seconds."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = _DURATION.fullmatch(str(text))
+        unit = match.group(3).lower() if match else None
+        if unit not in _DURATION_UNITS:
+            raise ConfigError(f"bad duration {text!r}: expected a number with an optional unit s, ms, us or ns, e.g. '50ms'")
+        value = _number(match) * _DURATION_UNITS[unit]
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"bad duration {text!r}: must be a finite number of seconds >= 0")
+    return value
+
+
+def parse_rate(text: str | float) -> float:
+    """A link rate -> bytes per second.
+
+    Bits per second with ``bit``, ``kbit``, ``mbit``, ``gbit``, ``tbit`` (any
+    case, powers of 1000, as in ``tc``); bytes per second with ``B``, ``KB``,
+    ``MB``, ``GB``, ``TB`` or ``KiB``, ``MiB``, ``GiB``, ``TiB``; a bare number
+    is bytes per second. An optional ``/s`` may follow. ``Mbps``, ``mb`` and
+    the like are refused: they mean bits to some readers and bytes to others.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = _RATE.fullmatch(str(text))
+        if match is None:
+            raise ConfigError(f"bad rate {text!r}: expected a number with a unit, e.g. '1gbit', '100mbit' or '10MB'")
+        unit = match.group(3)
+        if unit.lower() in _BIT_UNITS:
+            scale = _BIT_UNITS[unit.lower()]
+        elif unit in _BYTE_UNITS:
+            scale = _BYTE_UNITS[unit]
+        else:
+            raise ConfigError(
+                f"bad rate {text!r}: unknown or ambiguous unit {unit!r}; write bits/s as kbit, mbit, gbit "
+                f"(e.g. '100mbit') or bytes/s as KB, MB, GB, KiB, MiB, GiB (e.g. '10MB')"
+            )
+        value = _number(match) * scale
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"bad rate {text!r}: must be a positive, finite rate (leave the rate out for an unlimited link)")
+    return value
+
+
+def _parse_address(text: str, what: str, *, allow_port_zero: bool) -> Address:
+    """``HOST:PORT``, ``[IPV6]:PORT``, ``:PORT`` or ``PORT`` (host 127.0.0.1)."""
+    text = text.strip()
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+        valid = bool(sep) and ":" in host
+    elif ":" in text:
+        host, _, port = text.rpartition(":")
+        valid = ":" not in host  # a bare IPv6 address needs its brackets
+    else:
+        host, port, valid = "", text, True
+    if not (valid and port.isdigit()):
+        raise ConfigError(f"bad {what} address {text!r}: expected HOST:PORT, [IPV6]:PORT or PORT")
+    number = int(port)
+    if not (0 if allow_port_zero else 1) <= number <= 65535:
+        raise ConfigError(f"bad {what} address {text!r}: port out of range")
+    return (host or "127.0.0.1", number)
+
+
+def _format_address(address: Address) -> str:
+    host, port = address[0], address[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _format_seconds(value: float) -> str:
+    return f"{value * 1e3:g}ms"
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``dataferry latency-proxy``."""
+    parser.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
+                        help="address to listen on (default: 127.0.0.1 on a free port, printed at start)")
+    parser.add_argument("--upstream", required=True, metavar="HOST:PORT", help="the server to forward to")
+    parser.add_argument("--delay", default="0", metavar="DURATION",
+                        help="one-way delay, e.g. 50ms (RTT grows by twice this)")
+    parser.add_argument("--jitter", default="0", metavar="DURATION",
+                        help="vary each chunk's delay within +/- this; order is kept")
+    parser.add_argument("--rate", default=None, metavar="RATE",
+                        help="bandwidth per direction, e.g. 1gbit, 100mbit or 50MB (default: unlimited)")
+    parser.add_argument("--no-handshake", action="store_true",
+                        help="do not charge a fresh connection the TCP handshake's round trip")
+
+
+def cli(args: argparse.Namespace) -> int:
+    """The body of ``dataferry latency-proxy``: serve until SIGINT or SIGTERM."""
+    try:
+        listen = _parse_address(args.listen, "--listen", allow_port_zero=True)
+        upstream = _parse_address(args.upstream, "--upstream", allow_port_zero=False)
+        link = LinkOptions(
+            delay=parse_duration(args.delay),
+            jitter=parse_duration(args.jitter),
+            rate=None if args.rate is None else parse_rate(args.rate),
+            handshake=not args.no_handshake,
+        )
+    except ConfigError as exc:
+        print(f"dataferry latency-proxy: {exc}", file=sys.stderr)
+        return 2
+    loop = _new_event_loop()
+    try:
+        loop.run_until_complete(serve_proxy(listen, upstream, link))
+    except OSError as exc:
+        print(f"dataferry latency-proxy: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+    return 0
