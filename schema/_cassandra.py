@@ -21,6 +21,7 @@ import asyncio
 import datetime as _dt
 from collections import deque
 from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
+from contextlib import aclosing
 from functools import partial
 
 from ._cqlconnect import connect, translate, where
@@ -171,9 +172,10 @@ class CassandraStore:
                 yield key, rows
 
     async def _one(self, name: str, params: tuple, what: str) -> list:
-        async for _, rows in self._many(name, [(None, params)], what):
-            return rows
-        raise AssertionError("unreachable")
+        async with aclosing(self._many(name, [(None, params)], what)) as results:
+            async for _, rows in results:
+                return rows
+        raise AssertionError("unreachable: one job yields one result")
 
     def _error(self, exc: BaseException, what: str) -> BaseException:
         return translate(exc, f"cassandra store {self._where}: {what}", url=self.url)
