@@ -1,0 +1,211 @@
+"""The data service's wire format, shared by the server and :class:`HttpSource`.
+
+Everything is little-endian. Three payloads:
+
+**Batch fetch request** (``POST /v1/datasets/{name}/samples``,
+``Content-Type: application/octet-stream``): the sample ids as int64, 8 bytes
+each, no header. (``application/json`` ``{"ids": [...]}`` is accepted too.)
+
+**Batch fetch response** (``application/x-dataferry-frames``): records in the
+order the store completes them, each a 28-byte header, then the target bytes,
+then the data bytes::
+
+    offset size field
+    0      2    magic b"DF"
+    2      1    version (1)
+    3      1    kind: 0 SAMPLE, 1 NOT_FOUND, 2 ERROR, 3 END
+    4      1    flags: bit 0 set = the sample has a target (which may be empty)
+    5      3    zero
+    8      8    id, int64
+    16     4    label, int32
+    20     4    target length, uint32
+    24     4    data length, uint32
+
+* ``SAMPLE``: one sample. ``NOT_FOUND``: the id is not in the dataset
+  (lengths 0).
+* ``ERROR``: the store failed mid-stream; the data is UTF-8 JSON
+  ``{"error": ..., "detail": ...}``; it is the last record. Ids not answered
+  before it were not served.
+* ``END``: the last record of a complete response; ``id`` is the number of
+  SAMPLE and NOT_FOUND records before it. A response with neither ERROR nor
+  END at its end was cut.
+
+**Split id list** (``GET /v1/datasets/{name}/splits/{split}``,
+``application/x-dataferry-idlist``): a 16-byte header ``b"DFIL"``, version
+(uint8, 1), 3 zero bytes, count (uint64); then ``count`` int64 ids; then
+``count`` int32 labels. ``Content-Length`` is always ``16 + 12 * count``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from dataferry.schema import IdList, Sample, SampleNotFound
+from dataferry.schema._errors import DataferryError
+
+__all__ = [
+    "FRAMES_TYPE",
+    "IDLIST_TYPE",
+    "IDS_TYPE",
+    "HEADER",
+    "SAMPLE",
+    "NOT_FOUND",
+    "ERROR",
+    "END",
+    "WireFormatError",
+    "ErrorRecord",
+    "EndRecord",
+    "encode_ids",
+    "decode_ids",
+    "encode_sample",
+    "encode_not_found",
+    "encode_error",
+    "encode_end",
+    "read_frames",
+    "idlist_header",
+    "idlist_parts",
+    "decode_idlist",
+]
+
+FRAMES_TYPE = "application/x-dataferry-frames"
+IDLIST_TYPE = "application/x-dataferry-idlist"
+IDS_TYPE = "application/octet-stream"
+
+MAGIC = b"DF"
+VERSION = 1
+HEADER = struct.Struct("<2sBBB3xqiII")  # 28 bytes
+SAMPLE, NOT_FOUND, ERROR, END = 0, 1, 2, 3
+_HAS_TARGET = 1
+
+IDLIST_MAGIC = b"DFIL"
+IDLIST_HEADER = struct.Struct("<4sB3xQ")  # 16 bytes
+
+
+class WireFormatError(DataferryError, ValueError):
+    """Bytes that do not follow the wire format (a bad body, a corrupt stream)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorRecord:
+    """An ERROR record: the store failed after the response had begun."""
+
+    error: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class EndRecord:
+    """The END record: the response is complete; ``count`` records preceded it."""
+
+    count: int
+
+
+# --- request bodies --------------------------------------------------------------
+def encode_ids(ids: Sequence[int] | np.ndarray) -> bytes:
+    return np.asarray(ids, dtype="<i8").tobytes()
+
+
+def decode_ids(body: bytes) -> np.ndarray:
+    """The int64 ids of a binary request body; WireFormatError if malformed."""
+    if len(body) % 8:
+        raise WireFormatError(f"binary body of {len(body)} bytes is not a whole number of int64 ids (8 bytes each)")
+    return np.frombuffer(body, dtype="<i8")
+
+
+# --- batch fetch responses ----------------------------------------------------------
+def encode_sample(sample: Sample) -> tuple[bytes, ...]:
+    """The record of one sample as parts to write in order (payloads not copied)."""
+    target = sample.target
+    flags = 0 if target is None else _HAS_TARGET
+    tlen = 0 if target is None else len(target)
+    head = HEADER.pack(MAGIC, VERSION, SAMPLE, flags, sample.id, sample.label, tlen, len(sample.data))
+    return (head, target, sample.data) if tlen else (head, sample.data)
+
+
+def encode_not_found(id: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, NOT_FOUND, 0, id, 0, 0, 0)
+
+
+def encode_error(error: str, detail: str) -> bytes:
+    body = json.dumps({"error": error, "detail": detail}).encode()
+    return HEADER.pack(MAGIC, VERSION, ERROR, 0, 0, 0, 0, len(body)) + body
+
+
+def encode_end(count: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, END, 0, count, 0, 0, 0)
+
+
+class _Reader(Protocol):
+    async def readexactly(self, n: int) -> bytes: ...
+
+
+async def read_frames(
+    reader: _Reader, dataset: str, *, max_record: int = 1 << 30
+) -> AsyncIterator[Sample | SampleNotFound | ErrorRecord | EndRecord]:
+    """Decode records from ``reader`` as they arrive; stop after ERROR or END.
+
+    Each payload is read with one ``readexactly`` (one copy out of the
+    network buffers). A cut stream raises ``asyncio.IncompleteReadError`` (an
+    EOFError); a corrupt one WireFormatError. ``max_record`` bounds what one
+    record may make the reader allocate.
+    """
+    size = HEADER.size
+    while True:
+        head = await reader.readexactly(size)
+        magic, version, kind, flags, id_, label, tlen, dlen = HEADER.unpack(head)
+        if magic != MAGIC or version != VERSION or kind > END:
+            raise WireFormatError(f"bad record header {head[:8].hex()} (magic, version or kind)")
+        if tlen + dlen > max_record:
+            raise WireFormatError(f"record of {tlen + dlen} bytes exceeds the limit of {max_record}")
+        if kind == SAMPLE:
+            target = (await reader.readexactly(tlen) if tlen else b"") if flags & _HAS_TARGET else None
+            data = await reader.readexactly(dlen) if dlen else b""
+            yield Sample(id_, label, data, target)
+        elif kind == NOT_FOUND:
+            yield SampleNotFound(dataset, id_)
+        elif kind == ERROR:
+            raw = await reader.readexactly(dlen) if dlen else b"{}"
+            try:
+                doc = json.loads(raw)
+                yield ErrorRecord(str(doc.get("error", "store_error")), str(doc.get("detail", "")))
+            except (ValueError, AttributeError):
+                yield ErrorRecord("store_error", raw.decode("utf-8", "replace"))
+            return
+        else:
+            yield EndRecord(id_)
+            return
+
+
+# --- split id lists --------------------------------------------------------------------
+def idlist_header(count: int) -> bytes:
+    return IDLIST_HEADER.pack(IDLIST_MAGIC, VERSION, count)
+
+
+def idlist_parts(idlist: IdList, chunk: int = 1 << 20) -> Iterator[memoryview]:
+    """The body after the header, as views of at most ``chunk`` bytes (no copies
+    on little-endian hosts)."""
+    for arr, dtype in ((idlist.ids, "<i8"), (idlist.labels, "<i4")):
+        view = memoryview(np.ascontiguousarray(arr, dtype=dtype)).cast("B")
+        for start in range(0, len(view), chunk):
+            yield view[start : start + chunk]
+
+
+def decode_idlist(body: bytes) -> IdList:
+    """Inverse of the server's id list encoding; WireFormatError if malformed."""
+    if len(body) < IDLIST_HEADER.size:
+        raise WireFormatError(f"id list of {len(body)} bytes is shorter than its header")
+    magic, version, count = IDLIST_HEADER.unpack_from(body)
+    if magic != IDLIST_MAGIC or version != VERSION:
+        raise WireFormatError(f"bad id list header {body[:8].hex()}")
+    if len(body) != IDLIST_HEADER.size + 12 * count:
+        raise WireFormatError(f"id list says {count} ids but carries {len(body) - IDLIST_HEADER.size} bytes")
+    off = IDLIST_HEADER.size
+    ids = np.frombuffer(body, dtype="<i8", count=count, offset=off)
+    labels = np.frombuffer(body, dtype="<i4", count=count, offset=off + 8 * count)
+    return IdList(ids, labels)

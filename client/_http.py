@@ -1,0 +1,337 @@
+"""HttpSource: the data service's client, behind the one-method seam.
+
+``await HttpSource.open("https://data.example:8470", token=...)`` gives a
+:class:`~dataferry.schema.SampleSource` with the catalog reads the Loader
+uses (``read_split``, ``list_datasets``, ``get_dataset``, ``list_splits``).
+``fetch`` sends one batch request per call and yields each record as its bytes
+arrive, in the server's completion order; the wire format is in
+``_framing.py``.
+
+One ``aiohttp.ClientSession`` with a keep-alive pool of
+``HttpOptions.connections`` connections carries every request, so the engine's
+window of requests in flight rides on warm connections; ``preferred_request_size``
+ids per request keeps responses few and large across a long link.
+
+Errors are translated here, at the boundary, and name the service URL:
+
+=====================================  ==============================
+aiohttp / server                       raised
+=====================================  ==============================
+refused, reset, disconnected, cut      StoreUnavailable
+TLS handshake or verification failed   StoreUnavailable
+connect/read timeout, 503 store_timeout StoreTimeout
+401                                    TokenRefused (a StoreUnavailable)
+404 dataset_not_found/split_not_found  DatasetNotFound / SplitNotFound
+503, other 5xx, corrupt stream         StoreUnavailable / StoreError
+other 4xx                              RequestRejected (server's detail)
+=====================================  ==============================
+
+Store errors are retryable by the engine; ``RequestRejected`` is not (the same
+request would be rejected again). The token is sent, never logged or shown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import json
+import ssl
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from urllib.parse import quote
+
+import aiohttp
+from yarl import URL
+
+from dataferry.schema import DatasetInfo, IdList, Sample, SampleNotFound, SplitInfo
+from dataferry.schema._errors import (
+    ConfigError,
+    DataferryError,
+    DatasetNotFound,
+    SplitNotFound,
+    StoreError,
+    StoreTimeout,
+    StoreUnavailable,
+)
+
+from ._framing import (
+    FRAMES_TYPE,
+    IDLIST_TYPE,
+    IDS_TYPE,
+    EndRecord,
+    ErrorRecord,
+    WireFormatError,
+    decode_idlist,
+    encode_ids,
+    read_frames,
+)
+
+__all__ = ["HttpSource", "HttpOptions", "TokenRefused", "RequestRejected"]
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True, slots=True)
+class HttpOptions:
+    """How :class:`HttpSource` talks to the data service."""
+
+    #: keep-alive connections in the pool (requests in flight at once)
+    connections: int = 128
+    #: ids per batch request the engine should send (``preferred_request_size``)
+    request_size: int = 64
+    #: seconds to open a TCP (and TLS) connection
+    connect_timeout: float = 10.0
+    #: seconds of silence allowed while reading a response
+    read_timeout: float = 60.0
+    #: seconds an idle pooled connection is kept
+    keepalive: float = 60.0
+    #: PEM bundle to verify the server's certificate with (default: system CAs)
+    ca_file: str | None = None
+    #: verify the server's certificate and host name (off only for testing)
+    verify: bool = True
+    #: read the bearer token from this file when ``open`` is given none
+    token_file: str | None = None
+    #: bytes aiohttp buffers per response before pausing the socket
+    read_buffer: int = 1 << 20
+    #: the largest record accepted (guards memory against a broken server)
+    max_record_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        _check(self.connections >= 1, f"connections must be >= 1, not {self.connections}")
+        _check(self.request_size >= 1, f"request_size must be >= 1, not {self.request_size}")
+        _check(min(self.connect_timeout, self.read_timeout, self.keepalive) > 0, "timeouts must be > 0")
+        _check(self.read_buffer >= 1 << 14, "read_buffer must be at least 16 KiB")
+        _check(self.max_record_bytes >= 1 << 16, "max_record_bytes must be at least 64 KiB")
+
+
+class TokenRefused(StoreUnavailable):
+    """The data service answered 401: the token is missing or wrong."""
+
+
+class RequestRejected(DataferryError):
+    """The data service rejected a request as malformed (a 4xx other than 401/404)."""
+
+    def __init__(self, url: str, status: int, error: str, detail: str) -> None:
+        super().__init__(f"{url} rejected the request ({status} {error}): {detail}")
+        self.status, self.error, self.detail = status, error, detail
+
+
+def _read_token(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            token = fh.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read token file {path!r}: {exc}") from exc
+    _check(bool(token), f"token file {path!r} is empty")
+    return token
+
+
+def _base_url(url: str) -> str:
+    try:
+        u = URL(url)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"invalid data service URL {url!r}: {exc}") from exc
+    _check(u.scheme in ("http", "https") and bool(u.host), f"data service URL {url!r} must be http(s)://host[:port]")
+    _check(not u.query_string and not u.fragment, f"data service URL {url!r} must have no query or fragment")
+    _check(u.user is None and u.password is None, f"data service URL {url!r}: pass the token with token=, not in the URL")
+    return str(u.with_path(u.path.rstrip("/"))).rstrip("/")
+
+
+def _ssl_context(options: HttpOptions) -> ssl.SSLContext:
+    try:
+        ctx = ssl.create_default_context(cafile=options.ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load CA file {options.ca_file!r}: {exc}") from exc
+    if not options.verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+class HttpSource:
+    """A data service at ``url``, read over HTTP(S). Open with :meth:`open`."""
+
+    def __init__(self, url: str, session: aiohttp.ClientSession, options: HttpOptions) -> None:
+        self.url = url
+        self.options = options
+        self.preferred_request_size = options.request_size
+        self._session: aiohttp.ClientSession | None = session
+        self._has_token = "Authorization" in session.headers
+
+    @classmethod
+    async def open(cls, url: str, *, token: str | None = None, options: HttpOptions = HttpOptions()) -> HttpSource:
+        """A source for the service at ``url`` (``http(s)://host:port[/prefix]``).
+
+        Connects lazily: a dead server shows up as StoreUnavailable on the first call.
+        """
+        base = _base_url(url)
+        if token is None and options.token_file is not None:
+            token = _read_token(options.token_file)
+        if token is not None:
+            _check(bool(token) and token.isascii() and token.isprintable() and " " not in token,
+                   "token must be non-empty printable ASCII without spaces")
+        connector = aiohttp.TCPConnector(
+            limit=options.connections,
+            limit_per_host=0,
+            keepalive_timeout=options.keepalive,
+            ssl=_ssl_context(options) if base.startswith("https:") else False,
+        )
+        session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=options.connect_timeout, sock_read=options.read_timeout),
+            headers={"Authorization": f"Bearer {token}"} if token else None,
+            read_bufsize=options.read_buffer,
+            auto_decompress=False,
+            trust_env=False,
+        )
+        return cls(base, session, options)
+
+    # --- the seam ------------------------------------------------------------------
+    async def fetch(self, dataset: str, ids: Sequence[int]) -> AsyncIterator[Sample | SampleNotFound]:
+        """One batch request; yield each record as it arrives (completion order)."""
+        ids = list(ids)
+        if not ids:
+            return
+        what = f"fetch of {len(ids)} samples of dataset {dataset!r}"
+        answered = 0
+        try:
+            async with self._open_session().post(
+                self._url(dataset, "samples"), data=encode_ids(ids), headers={"Content-Type": IDS_TYPE}
+            ) as resp:
+                await self._check_response(resp, FRAMES_TYPE, what, dataset=dataset)
+                async for rec in read_frames(resp.content, dataset, max_record=self.options.max_record_bytes):
+                    if isinstance(rec, ErrorRecord):
+                        cls = StoreTimeout if rec.error == "store_timeout" else StoreUnavailable
+                        raise cls(f"{self.url}: {what} failed after {answered} answers: {rec.detail}")
+                    if isinstance(rec, EndRecord):
+                        if answered != len(ids):
+                            raise StoreError(f"{self.url}: {what} ended after {answered} answers")
+                        return
+                    answered += 1
+                    yield rec
+        except WireFormatError as exc:
+            raise StoreError(f"{self.url}: corrupt response to {what}: {exc}") from exc
+        except (aiohttp.ClientError, OSError, EOFError, asyncio.TimeoutError) as exc:
+            raise self._translate(exc, f"{what} (after {answered} answers)") from exc
+
+    # --- catalog -------------------------------------------------------------------
+    async def list_datasets(self) -> list[DatasetInfo]:
+        doc = await self._get_json("/v1/datasets", "list datasets")
+        try:
+            return [self._info(d) for d in doc["datasets"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreError(f"{self.url}: malformed dataset list: {exc!r}") from exc
+
+    async def get_dataset(self, name: str) -> DatasetInfo:
+        doc = await self._get_json(self._path(name), f"get dataset {name!r}", dataset=name)
+        try:
+            return self._info(doc)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreError(f"{self.url}: malformed dataset {name!r}: {exc!r}") from exc
+
+    async def list_splits(self, dataset: str) -> list[SplitInfo]:
+        doc = await self._get_json(self._path(dataset), f"list splits of {dataset!r}", dataset=dataset)
+        try:
+            return [SplitInfo(dataset, str(s["name"]), int(s["num_ids"])) for s in doc["splits"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreError(f"{self.url}: malformed split list of {dataset!r}: {exc!r}") from exc
+
+    async def read_split(self, dataset: str, split: str) -> IdList:
+        what = f"read split {dataset}/{split}"
+        try:
+            async with self._open_session().get(self._url(dataset, "splits", split)) as resp:
+                await self._check_response(resp, IDLIST_TYPE, what, dataset=dataset, split=split)
+                body = await resp.read()
+            return decode_idlist(body)
+        except WireFormatError as exc:
+            raise StoreError(f"{self.url}: corrupt response to {what}: {exc}") from exc
+        except (aiohttp.ClientError, OSError, EOFError, asyncio.TimeoutError) as exc:
+            raise self._translate(exc, what) from exc
+
+    # --- plumbing ----------------------------------------------------------------------
+    def _open_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise StoreUnavailable(f"HttpSource for {self.url} is closed")
+        return self._session
+
+    def _path(self, dataset: str, *rest: str) -> str:
+        return "/".join(["/v1/datasets", *(quote(p, safe="") for p in (dataset, *rest))])
+
+    def _url(self, dataset: str, *rest: str) -> URL:
+        return URL(self.url + self._path(dataset, *rest), encoded=True)
+
+    async def _get_json(self, path: str, what: str, **names: str) -> dict:
+        try:
+            async with self._open_session().get(URL(self.url + path, encoded=True)) as resp:
+                await self._check_response(resp, "application/json", what, **names)
+                raw = await resp.read()
+        except (aiohttp.ClientError, OSError, EOFError, asyncio.TimeoutError) as exc:
+            raise self._translate(exc, what) from exc
+        try:
+            doc = json.loads(raw)
+        except ValueError as exc:
+            raise StoreError(f"{self.url}: {what}: reply is not JSON") from exc
+        if not isinstance(doc, dict):
+            raise StoreError(f"{self.url}: {what}: reply is not a JSON object")
+        return doc
+
+    @staticmethod
+    def _info(d: dict) -> DatasetInfo:
+        created = _dt.datetime.fromisoformat(str(d["created"]))
+        return DatasetInfo(str(d["name"]), tuple(str(x) for x in d["label_names"]), int(d["num_samples"]), created)
+
+    async def _check_response(self, resp: aiohttp.ClientResponse, ctype: str, what: str, **names: str) -> None:
+        if resp.status == 200:
+            if resp.content_type != ctype:
+                raise StoreError(f"{self.url}: {what}: expected {ctype}, got {resp.content_type!r} (a proxy?)")
+            return
+        raw = await resp.content.read(1 << 16)
+        try:
+            doc = json.loads(raw)
+            error, detail = str(doc["error"]), str(doc.get("detail", ""))
+        except (ValueError, KeyError, TypeError):
+            error, detail = "http_error", raw[:200].decode("utf-8", "replace").strip() or resp.reason or ""
+        status = resp.status
+        if status == 401:
+            hint = "refused the token" if self._has_token else "requires a token and none was given"
+            raise TokenRefused(f"the data service at {self.url} {hint} ({what}): {detail}")
+        if status == 404 and error == "dataset_not_found":
+            raise DatasetNotFound(names.get("dataset", str(doc.get("dataset", ""))))
+        if status == 404 and error == "split_not_found":
+            raise SplitNotFound(names.get("dataset", ""), names.get("split", ""))
+        if status == 503:
+            cls = StoreTimeout if error == "store_timeout" else StoreUnavailable
+            raise cls(f"{self.url}: {what}: {detail or error}")
+        if 400 <= status < 500:
+            raise RequestRejected(self.url, status, error, detail)
+        raise StoreError(f"{self.url}: {what}: HTTP {status} {error}: {detail}")
+
+    def _translate(self, exc: BaseException, what: str) -> StoreError:
+        if isinstance(exc, (aiohttp.ServerTimeoutError, asyncio.TimeoutError)):
+            return StoreTimeout(f"{self.url}: {what} timed out: {exc or type(exc).__name__}")
+        if isinstance(exc, aiohttp.ClientSSLError):
+            return StoreUnavailable(f"TLS with {self.url} failed ({what}): {exc}")
+        if isinstance(exc, (aiohttp.ClientConnectorError,)):
+            return StoreUnavailable(f"cannot connect to {self.url} ({what}): {exc.os_error or exc}")
+        if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError, EOFError)):
+            return StoreUnavailable(f"lost connection to {self.url} during {what}: {exc or type(exc).__name__}")
+        return StoreError(f"{self.url}: {what} failed: {exc}")
+
+    # --- lifetime ----------------------------------------------------------------------
+    async def close(self) -> None:
+        """Close the pool. Safe to call twice."""
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    async def __aenter__(self) -> HttpSource:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"HttpSource({self.url!r})"

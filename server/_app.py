@@ -1,0 +1,61 @@
+"""``make_app``: the data service as a plain ``web.Application``.
+
+Never subclassed: state lives under typed ``web.AppKey`` s (``_keys.py``), the
+store's lifetime in ``app.cleanup_ctx``, behaviour in middlewares and routes.
+Run it with ``web.run_app`` (the CLI) or an ``AppRunner`` (tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from aiohttp import web
+
+from dataferry.schema import Store
+from dataferry.schema._url import redact_url
+
+from ._gate import StoreGate
+from ._keys import GATE, LIMIT, METRICS, OPTIONS
+from ._metrics import Metrics
+from ._middleware import MIDDLEWARES
+from ._options import ServerOptions
+from ._routes import routes
+
+__all__ = ["make_app"]
+
+log = logging.getLogger("dataferry.server")
+
+
+def make_app(store: Store | str, options: ServerOptions = ServerOptions()) -> web.Application:
+    """The application serving ``store``: a store URL (opened at startup and
+    closed at cleanup) or an open :class:`Store` (left open: the caller owns it)."""
+    app = web.Application(client_max_size=options.max_body_bytes, middlewares=MIDDLEWARES)
+    app[OPTIONS] = options
+    app[METRICS] = Metrics()
+    app.cleanup_ctx.append(_store_context(store))
+    app.router.add_routes(routes)
+    return app
+
+
+def _store_context(store: Store | str) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def store_lifetime(app: web.Application) -> AsyncIterator[None]:
+        options = app[OPTIONS]
+        if isinstance(store, str):
+            from dataferry.schema import open_store
+
+            opened = await open_store(store, create=False)
+            log.info("opened store %s", redact_url(store))
+        else:
+            opened = store
+        app[GATE] = StoreGate(opened, options, app[METRICS])
+        app[LIMIT] = asyncio.Semaphore(options.max_concurrent)
+        try:
+            yield
+        finally:
+            if opened is not store:
+                await opened.close()
+                log.info("closed store %s", redact_url(store))
+
+    return store_lifetime

@@ -1,0 +1,139 @@
+"""``dataferry serve``: run the data service near the store.
+
+``add_cli_arguments(parser)`` fills a subcommand's parser; ``cli(args)`` runs
+it and returns the exit status. Heavy imports (aiohttp, the stores) happen in
+``cli`` only, so ``--help`` stays instant.
+
+The listening socket is bound here, before the app starts, so ``--port 0``
+works: the line ``dataferry serve: listening on http(s)://HOST:PORT`` on
+stdout names the real port. ``web.run_app`` handles SIGTERM and SIGINT: it
+stops accepting, gives in-flight responses ``--grace`` seconds, then closes
+the store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+
+__all__ = ["add_cli_arguments", "cli", "main"]
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    from dataferry.schema._url import DEFAULT_STORE_URL
+
+    parser.add_argument("--store", default=DEFAULT_STORE_URL, metavar="URL", help="store URL (default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8470, help="port; 0 picks a free one (default: %(default)s)")
+    parser.add_argument("--token-file", metavar="F", help="require 'Authorization: Bearer <token in F>' on /v1 and /metrics")
+    parser.add_argument("--open-metrics", action="store_true", help="serve /metrics without the token")
+    parser.add_argument("--tls-cert", metavar="C", help="PEM certificate chain: serve HTTPS (needs --tls-key)")
+    parser.add_argument("--tls-key", metavar="K", help="PEM private key of --tls-cert")
+    parser.add_argument("--max-ids", type=int, default=4096, help="ids per batch request (default: %(default)s)")
+    parser.add_argument("--max-concurrent", type=int, default=256, help="requests served at once (default: %(default)s)")
+    parser.add_argument("--store-timeout", type=float, default=30.0, metavar="S", help="seconds per store call (default: %(default)s)")
+    parser.add_argument("--grace", type=float, default=10.0, metavar="S", help="seconds in-flight responses get on SIGTERM (default: %(default)s)")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    parser.add_argument("--no-access-log", action="store_true", help="do not log each request")
+
+
+def ssl_context(cert: str, key: str):
+    """A server-side TLS context (TLS 1.2+) for ``cert``/``key``; ConfigError naming the file."""
+    import ssl
+
+    from dataferry.schema._errors import ConfigError
+
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load TLS certificate {cert!r} with key {key!r}: {exc}") from exc
+    return ctx
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (IPv4 or IPv6 by ``host``), SO_REUSEADDR so a
+    restart can take the same port at once."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+def cli(args: argparse.Namespace) -> int:
+    from dataferry.schema._errors import ConfigError
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _serve(args)
+    except ConfigError as exc:
+        print(f"dataferry serve: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"dataferry serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from dataferry.schema import parse_store_url
+    from dataferry.schema._errors import ConfigError
+
+    from ._app import make_app
+    from ._options import ServerOptions, read_token_file
+
+    parse_store_url(args.store)  # a bad URL fails here, before binding
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    tls = ssl_context(args.tls_cert, args.tls_key) if args.tls_cert else None
+    options = ServerOptions(
+        token=read_token_file(args.token_file) if args.token_file else None,
+        metrics_auth=not args.open_metrics,
+        max_ids=args.max_ids,
+        max_body_bytes=max(1 << 20, 8 * args.max_ids),
+        max_concurrent=args.max_concurrent,
+        store_timeout=args.store_timeout,
+        shutdown_grace=args.grace,
+    )
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    scheme = "https" if tls else "http"
+    shown = f"[{host}]" if ":" in host else host
+    print(f"dataferry serve: listening on {scheme}://{shown}:{port}", flush=True)
+    web.run_app(
+        make_app(args.store, options),
+        sock=sock,
+        ssl_context=tls,
+        shutdown_timeout=options.shutdown_grace,
+        print=None,
+        access_log=None if args.no_access_log else logging.getLogger("aiohttp.access"),
+        loop=_new_loop(),
+    )
+    return 0
+
+
+def _new_loop():
+    import asyncio
+
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dataferry serve", description="Run the dataferry data service.")
+    add_cli_arguments(parser)
+    return cli(parser.parse_args(argv))

@@ -1,0 +1,73 @@
+"""StoreGate: the store as the handlers see it.
+
+Every catalog call is bounded by ``ServerOptions.store_timeout`` (a timeout
+becomes :class:`StoreTimeout` naming the operation), timed into the
+store-latency histogram, and its failures counted and logged. It also
+remembers, for ``catalog_ttl`` seconds, which datasets exist, so a batch fetch
+for a known dataset costs no extra catalog read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from dataferry.schema import Store
+from dataferry.schema._errors import StoreError, StoreTimeout
+from dataferry.schema._url import redact_url
+
+from ._metrics import Metrics
+from ._options import ServerOptions
+
+__all__ = ["StoreGate"]
+
+log = logging.getLogger("dataferry.server")
+
+T = TypeVar("T")
+
+
+class StoreGate:
+    def __init__(self, store: Store, options: ServerOptions, metrics: Metrics) -> None:
+        self.store = store
+        self.options = options
+        self.metrics = metrics
+        self.where = redact_url(getattr(store, "url", repr(store)))
+        self._known: dict[str, float] = {}  # dataset -> monotonic time it was seen to exist
+
+    async def call(self, op: str, fn: Callable[..., Awaitable[T]], *args: object, timeout: float | None = None) -> T:
+        """``await fn(*args)`` within the timeout; ``op`` names it in metrics and errors."""
+        limit = self.options.store_timeout if timeout is None else timeout
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(limit):
+                return await fn(*args)
+        except TimeoutError as exc:
+            err = exc if isinstance(exc, StoreTimeout) else StoreTimeout(
+                f"store {self.where}: {op} did not answer within {limit:g} s"
+            )
+            self.failed(op, err)
+            raise err from exc
+        except StoreError as exc:
+            self.failed(op, exc)
+            raise
+        finally:
+            self.metrics.store_latency.observe(time.perf_counter() - t0, op=op)
+
+    def failed(self, op: str, exc: BaseException) -> None:
+        kind = "timeout" if isinstance(exc, TimeoutError) else "unavailable"
+        self.metrics.store_errors.inc(kind=kind)
+        log.warning("store %s: %s failed: %s", self.where, op, exc)
+
+    async def require_dataset(self, name: str) -> None:
+        """Return if ``name`` exists; raise DatasetNotFound (or a store error)."""
+        seen = self._known.get(name)
+        now = time.monotonic()
+        if seen is not None and now - seen < self.options.catalog_ttl:
+            return
+        await self.call("get_dataset", self.store.get_dataset, name)
+        if len(self._known) > 4096:  # bounded: names come from requests
+            self._known.clear()
+        self._known[name] = now

@@ -1,0 +1,130 @@
+"""Middlewares, outermost first: metrics, errors, auth, concurrency limit.
+
+* ``metrics``: requests by route template/method/status, requests in flight.
+* ``errors``: every error becomes a JSON response (``_errors.translate``);
+  store errors are logged, anything unexpected is logged with its traceback
+  and answered 500 without internals.
+* ``auth``: with a token configured, every path but ``/healthz`` and
+  ``/readyz`` (and ``/metrics`` unless ``metrics_auth`` is off) needs
+  ``Authorization: Bearer <token>``, compared in constant time. Unknown paths
+  too: an unauthenticated caller learns nothing about routes.
+* ``limit``: at most ``max_concurrent`` ``/v1/...`` requests at once; the
+  rest wait up to ``queue_timeout`` then get 503 with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+
+from aiohttp import hdrs, web
+from aiohttp.typedefs import Handler
+
+from dataferry.schema._errors import StoreError
+
+from ._errors import http_error, translate
+from ._keys import LIMIT, METRICS, OPTIONS
+
+__all__ = ["MIDDLEWARES"]
+
+log = logging.getLogger("dataferry.server")
+
+_OPEN = frozenset({"/healthz", "/readyz"})
+
+
+def _route(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    m = request.app[METRICS]
+    m.in_flight.inc()
+    status = "500"
+    try:
+        resp = await handler(request)
+        status = str(resp.status)
+        return resp
+    except web.HTTPException as exc:
+        status = str(exc.status)
+        raise
+    except asyncio.CancelledError:
+        status = "cancelled"
+        raise
+    finally:
+        m.in_flight.dec()
+        m.requests.inc(route=_route(request), method=request.method, status=status)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except Exception as exc:  # noqa: BLE001 - every error leaves as JSON
+        resp = translate(exc, request)
+        if isinstance(exc, StoreError):
+            log.warning("%s %s: store failed: %s", request.method, request.path, exc)
+        elif resp is None:
+            log.exception("%s %s failed", request.method, request.path)
+            resp = translate(http_error(500, "internal_error", "the server failed; see its log"))
+        if resp.status >= 400:
+            request.app[METRICS].errors.inc(error=_error_name(resp))
+        return resp
+
+
+def _error_name(resp: web.Response) -> str:
+    try:
+        return str(json.loads(resp.text)["error"])[:64]
+    except (ValueError, KeyError, TypeError):
+        return "error"
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    options = request.app[OPTIONS]
+    token = options.token
+    path = request.path
+    if token is None or path in _OPEN or (path == "/metrics" and not options.metrics_auth):
+        return await handler(request)
+    values = request.headers.getall(hdrs.AUTHORIZATION, [])
+    if len(values) != 1:
+        raise _unauthorized("missing_token", "send Authorization: Bearer <token>" if not values
+                            else "send exactly one Authorization header")
+    scheme, _, credentials = values[0].strip().partition(" ")
+    if scheme.lower() != "bearer" or not credentials.strip():
+        raise _unauthorized("missing_token", f"use the Bearer scheme: Authorization: Bearer <token>, not {scheme[:20]!r}")
+    given = credentials.strip().encode("utf-8", "surrogateescape")
+    if not hmac.compare_digest(given, token.encode()):
+        raise _unauthorized("invalid_token", "the bearer token was refused", invalid=True)
+    return await handler(request)
+
+
+def _unauthorized(error: str, detail: str, *, invalid: bool = False) -> web.HTTPException:
+    challenge = 'Bearer realm="dataferry"' + (', error="invalid_token"' if invalid else "")
+    return http_error(401, error, detail, headers={hdrs.WWW_AUTHENTICATE: challenge})
+
+
+@web.middleware
+async def limit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if not request.path.startswith("/v1/"):
+        return await handler(request)
+    sem = request.app[LIMIT]
+    options = request.app[OPTIONS]
+    try:
+        async with asyncio.timeout(options.queue_timeout):
+            await sem.acquire()
+    except TimeoutError:
+        raise http_error(
+            503, "busy", f"more than {options.max_concurrent} requests in progress; retry shortly",
+            headers={"Retry-After": "1"},
+        ) from None
+    try:
+        return await handler(request)
+    finally:
+        sem.release()
+
+
+MIDDLEWARES = (metrics_middleware, errors_middleware, auth_middleware, limit_middleware)
