@@ -22,6 +22,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from urllib.parse import urlencode
 
@@ -115,6 +116,7 @@ class DevCassandra:
         self.workdir: Path | None = None
         self._owns_workdir = False
         self._proc: subprocess.Popen | None = None
+        self._finalizer: weakref.finalize | None = None
 
     # --- lifetime ------------------------------------------------------------
     def start(self) -> DevCassandra:
@@ -160,32 +162,28 @@ class DevCassandra:
             _MAIN_CLASS,
         ]
         with open(self.workdir / "stdout.log", "wb") as out:
+            # Its own process group, so stop() reaches every process the JVM starts.
             self._proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
             )
+        # If stop() is never called, the server still goes at interpreter exit.
+        self._finalizer = weakref.finalize(
+            self, _cleanup, self._proc, self.workdir if self._owns_workdir else None
+        )
         try:
-            self._wait_ready()
+            self._wait_ready()  # its errors carry the log tail, so the workdir may go
         except BaseException:
-            self.stop(_keep_workdir=True)
+            self.stop()
             raise
         return self
 
-    def stop(self, *, _keep_workdir: bool = False) -> None:
-        """Terminate the server (SIGTERM, then SIGKILL); safe to call twice."""
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        if self._owns_workdir and self.workdir is not None and not _keep_workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+    def stop(self) -> None:
+        """Terminate the server (SIGTERM, then SIGKILL); remove a temporary workdir. Safe to call twice."""
+        self._proc = None
+        if self._finalizer is not None:
+            self._finalizer()  # runs _cleanup once
+            self._finalizer = None
+        if self._owns_workdir:
             self.workdir = None
             self._owns_workdir = False
 
@@ -251,6 +249,22 @@ class DevCassandra:
                 return True
         except OSError:
             return False
+
+
+def _cleanup(proc: subprocess.Popen, workdir: Path | None) -> None:
+    if proc.poll() is None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(5.0)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    if workdir is not None:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _probe(host: str, port: int) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import os
+import re
 import signal
 import ssl
 import threading
@@ -289,6 +290,23 @@ def test_dev_server_url_and_stop_are_tidy(tmp_path):
     assert server.url("ks", consistency="QUORUM") == "cassandra://127.0.0.1:9999/ks?consistency=QUORUM"
     server.stop()
     server.stop()  # never started: still fine, twice
+
+
+def test_dev_server_startup_failure_shows_the_log_and_cleans_up(cassandra_server):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = DevCassandra(port=taken.getsockname()[1], startup_timeout=30)
+        with pytest.raises(StoreUnavailable, match="(?s)exited with code.*cassandra.log") as info:
+            server.start()
+    message = str(info.value)
+    assert "Address already in use" in message
+    log = re.search(r"--- (\S+)/cassandra.log ---", message)
+    assert log and not os.path.exists(log.group(1))  # the temporary workdir is gone
+    assert server.workdir is None and server.pid is None
+    server.stop()
 
 
 def test_dev_server_without_java_says_what_to_install(monkeypatch):
