@@ -43,7 +43,6 @@ import re
 import signal
 import socket
 import struct
-import sys
 import threading
 import time
 import weakref
@@ -76,6 +75,8 @@ _WRITE_HIGH = 1 << 20
 _WRITE_LOW = 256 << 10
 #: seconds to open the upstream connection
 _CONNECT_TIMEOUT = 10.0
+#: seconds close() waits for reset sockets to report closed
+_CLOSE_TIMEOUT = 5.0
 #: the shortest sleep: timers of some loops (uvloop) have 1 ms resolution
 _TIMER_SLACK = 0.001
 
@@ -348,12 +349,12 @@ class _Pipe:
                 break
             queue.popleft()
             if not data:
-                self._deliver_end(data)
+                self._deliver_end(data)  # a reset kills this pipe: held is 0 then
                 break
             transport.write(data)  # may call pause_writing, which sets _blocked
+            self.held -= len(data)
             written += len(data)
         if written:
-            self.held -= written
             self._counters.buffered -= written
             self._delivered(written)
             self._update_reading()
@@ -377,6 +378,8 @@ class _Pipe:
 
     def kill(self) -> None:
         """The destination is gone: drop what is held and what comes."""
+        if self.dead:
+            return
         self.dead = True
         if self._timer is not None:
             self._timer.cancel()
@@ -464,7 +467,7 @@ class _Connection:
     def reset(self) -> None:
         """Reset both sockets now."""
         self._closing = True
-        if self.connecting is not None:
+        if self.connecting is not None and self.connecting is not asyncio.current_task():
             self.connecting.cancel()
         for side in (self.client, self.upstream):
             if self._registered:
@@ -532,7 +535,10 @@ class LatencyProxy:
         conns = list(self._conns)
         for conn in conns:
             conn.reset()
-        await asyncio.gather(*(conn.finished for conn in conns))
+        if conns:
+            _, stuck = await asyncio.wait([conn.finished for conn in conns], timeout=_CLOSE_TIMEOUT)
+            if stuck:
+                logger.warning("latency proxy: %d connections did not close within %gs", len(stuck), _CLOSE_TIMEOUT)
         if self._server is not None:
             await self._server.wait_closed()
 
@@ -750,27 +756,24 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cli(args: argparse.Namespace) -> int:
-    """The body of ``dataferry latency-proxy``: serve until SIGINT or SIGTERM."""
-    try:
-        listen = _parse_address(args.listen, "--listen", allow_port_zero=True)
-        upstream = _parse_address(args.upstream, "--upstream", allow_port_zero=False)
-        link = LinkOptions(
-            delay=parse_duration(args.delay),
-            jitter=parse_duration(args.jitter),
-            rate=None if args.rate is None else parse_rate(args.rate),
-            handshake=not args.no_handshake,
-        )
-    except ConfigError as exc:
-        print(f"dataferry latency-proxy: {exc}", file=sys.stderr)
-        return 2
+    """The body of ``dataferry latency-proxy``: serve until SIGINT or SIGTERM.
+
+    Bad values, and an address it cannot listen on, raise :class:`ConfigError`
+    (the ``dataferry`` command prints it and exits with status 2).
+    """
+    listen = _parse_address(args.listen, "--listen", allow_port_zero=True)
+    upstream = _parse_address(args.upstream, "--upstream", allow_port_zero=False)
+    link = LinkOptions(
+        delay=parse_duration(args.delay),
+        jitter=parse_duration(args.jitter),
+        rate=None if args.rate is None else parse_rate(args.rate),
+        handshake=not args.no_handshake,
+    )
     loop = _new_event_loop()
     try:
         loop.run_until_complete(serve_proxy(listen, upstream, link))
     except OSError as exc:
-        print(f"dataferry latency-proxy: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        pass
+        raise ConfigError(str(exc)) from exc
     finally:
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
