@@ -74,10 +74,16 @@ def find_jar() -> str:
     return str(jar)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (all bound at once, then released)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _yaml(template: str, workdir: Path, ports: dict[str, int]) -> str:
@@ -136,12 +142,13 @@ class DevCassandra:
         else:
             self.workdir = Path(self._workdir_arg)
             self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = self._port_arg or _free_port()
+        native, storage, ssl_storage, rpc = _free_ports(4)
+        self.port = self._port_arg or native
         ports = {
             "native_transport_port": self.port,
-            "storage_port": _free_port(),
-            "ssl_storage_port": _free_port(),
-            "rpc_port": _free_port(),
+            "storage_port": storage,
+            "ssl_storage_port": ssl_storage,
+            "rpc_port": rpc,
         }
         template = (_package_dir() / "resources" / "cu-cassandra.yaml").read_text()
         yaml_path = self.workdir / "cassandra.yaml"

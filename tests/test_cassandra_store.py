@@ -292,6 +292,7 @@ def test_dev_server_url_and_stop_are_tidy(tmp_path):
     server.stop()  # never started: still fine, twice
 
 
+@pytest.mark.slow
 def test_dev_server_startup_failure_shows_the_log_and_cleans_up(cassandra_server):
     import socket
 
