@@ -30,7 +30,7 @@ import numpy as np
 
 from ._errors import ConfigError, DataferryError, DatasetNotFound, IntegrityError, InvalidImage, NotFound
 from ._model import ALL_SPLIT, DatasetInfo, IdList, Sample, SampleMeta, check_name, sample_id
-from ._scan import Source, scan
+from ._scan import Source, SourceFile, scan
 from ._store import SampleRecord, Store
 from ._validate import DEFAULT_MAX_PIXELS, ValidatedFile, ValidateOptions, validate_chunk, validator_pool
 
@@ -134,7 +134,7 @@ async def ingest(
     committed = await _find_existing(store, dataset, src, ids, labels)
     already = int(committed.sum())
     todo = np.flatnonzero(~committed)
-    stats = _Stats()
+    stats = _Stats(rejected=list(src.unusable))
     if len(todo):
         show = sys.stderr.isatty() if progress is None else progress
         await _validate_and_write(store, dataset, src, ids, todo, committed, options, stats, show)
@@ -156,7 +156,7 @@ async def ingest(
 
 
 def _check_unique(src: Source, ids: np.ndarray) -> None:
-    uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
+    uniq, counts = np.unique(ids, return_counts=True)
     if len(uniq) == len(ids):
         return
     dup = int(uniq[counts > 1][0])
@@ -212,7 +212,7 @@ class _Stats:
     rejected: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _record(dataset: str, f, sid: int, vf: ValidatedFile) -> SampleRecord:
+def _record(f: SourceFile, sid: int, vf: ValidatedFile) -> SampleRecord:
     sample = Sample(sid, f.label, vf.data, vf.target)
     meta = SampleMeta(sid, f.label, f.relpath, vf.format, vf.width, vf.height, len(vf.data), vf.sha256, dict(f.tags))
     return SampleRecord(sample, meta)
@@ -273,7 +273,7 @@ async def _validate_and_write(store, dataset, src, ids, todo, committed, options
                         stats.rejected.append((f.relpath, res.reason))
                         bar.update(1)
                     else:
-                        buf.append((i, _record(dataset, f, int(ids[i]), res), res.bytes_in))
+                        buf.append((i, _record(f, int(ids[i]), res), res.bytes_in))
     except BaseException:
         for fut in [*validating, *writing]:
             fut.cancel()

@@ -59,6 +59,8 @@ class Source:
     label_names: tuple[str, ...]
     files: tuple[SourceFile, ...]
     skipped: tuple[str, ...]  # relpaths of non-image and hidden files
+    #: ``(relpath, reason)`` of image files that cannot get an id (a name that is not UTF-8)
+    unusable: tuple[tuple[str, str], ...] = ()
 
 
 def is_image_name(name: str) -> bool:
@@ -123,21 +125,30 @@ def scan_imagefolder(root: str | os.PathLike[str]) -> Source:
         if entry.is_dir() and not entry.name.startswith("."):
             class_dirs[_text(entry.name, root)] = entry.name
         elif not entry.is_dir():
-            skipped.append(_text(entry.name, root))
+            skipped.append(unicodedata.normalize("NFC", os.fsencode(entry.name).decode("utf-8", "replace")))
     label_names = tuple(sorted(class_dirs))
     if not label_names:
         raise ConfigError(f"source {root!r} has no class folders: an ImageFolder tree is root/<class>/<image>")
     files: list[SourceFile] = []
+    unusable: list[tuple[str, str]] = []
     for label, name in enumerate(label_names):
         disk_name = class_dirs[name]
         for rel in _walk(os.path.join(root, disk_name)):
-            relpath = normalize_relpath(f"{name}/{_text(rel, root)}")
+            try:
+                relpath = normalize_relpath(f"{name}/{_text(rel, root)}")
+            except ConfigError:
+                shown = f"{name}/{os.fsencode(rel).decode('utf-8', 'replace')}"
+                if is_image_name(shown):
+                    unusable.append((shown, "file name is not valid UTF-8"))
+                else:
+                    skipped.append(shown)
+                continue
             if is_image_name(relpath):
                 files.append(SourceFile(os.path.join(root, disk_name, rel), relpath, label))
             else:
                 skipped.append(relpath)
     files.sort(key=lambda f: f.relpath)
-    return Source(root, label_names, tuple(files), tuple(sorted(skipped)))
+    return Source(root, label_names, tuple(files), tuple(sorted(skipped)), tuple(sorted(unusable)))
 
 
 def _rows(manifest: str):

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import io
 import json
+import os
 import shutil
 import unicodedata
 import warnings
@@ -372,3 +373,36 @@ def test_report_rates():
     assert (r.images_per_s, r.mb_per_s, r.ok) == (50.0, 25.0, True)
     assert "50 images/s, 25.0 MB/s" in r.summary()
     assert np.isclose(IngestReport("d", "/s", 0, 0, (("a", "b"),), (), 0, 0, 0.0, 0).images_per_s, 0.0)
+
+
+def test_a_name_that_is_not_utf8_is_rejected_not_fatal(store_url, dataset_name, tmp_path):
+    root = tmp_path / "tree"
+    (root / "c").mkdir(parents=True)
+    noise_image(8, 8).save(root / "c" / "ok.png")
+    bad = os.path.join(os.fsencode(root / "c"), b"caf\xe9.png")
+    with open(bad, "wb") as fh:
+        fh.write((root / "c" / "ok.png").read_bytes())
+    with open(os.path.join(os.fsencode(root), b"notes\xff.txt"), "wb") as fh:
+        fh.write(b"junk")
+    report, _ = run(_ingest(store_url, root, dataset_name))
+    assert report.ingested == 1 and report.rejected == (("c/caf\ufffd.png", "file name is not valid UTF-8"),)
+    assert report.skipped == ("notes\ufffd.txt",)
+
+
+def test_memory_stays_bounded(tmp_path):
+    """Ingesting ~22 MB of images never holds more than a few batches in this process."""
+    import tracemalloc
+
+    from dataferry.schema._synthetic import make_synthetic
+
+    syn = make_synthetic(tmp_path / "src", 200, seed=1)
+    assert syn.total_bytes > 18e6
+    options = IngestOptions(workers=2, batch_size=8, max_inflight=2)
+    tracemalloc.start()
+    try:
+        report, _ = run(_ingest(f"sqlite:{tmp_path / 'm.db'}", tmp_path / "src", "mem", options))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert report.ingested == 200
+    assert peak < syn.total_bytes / 3, (peak, syn.total_bytes)
