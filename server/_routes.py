@@ -65,6 +65,7 @@ async def read_split(request: web.Request) -> web.StreamResponse:
     split = name_param(request, "split", "split")
     no_query(request)
     gate = request.app[GATE]
+    await gate.require_dataset(name)  # an unknown dataset is named as such, not as a missing split
     idlist = await gate.call("read_split", gate.store.read_split, name, split)
     n = len(idlist)
     resp = web.StreamResponse(headers={"Content-Type": IDLIST_TYPE})

@@ -1,0 +1,210 @@
+"""Helpers for the data service tests (no tests here).
+
+The real app on loopback (:func:`serve`), test data in a real store
+(:func:`seed`), a response checker against ``server/openapi.yaml``
+(:class:`Spec`), a frame decoder for raw bodies, a self-signed certificate, and
+:class:`BrokenStore`, a wrapper at the store seam (which we own) that fails or
+hangs on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import datetime as dt
+import functools
+import ipaddress
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import yaml
+from aiohttp import web
+from openapi_schema_validator import OAS30Validator
+
+from dataferry.client._framing import read_frames
+from dataferry.schema import DatasetInfo, IdList, Sample, SampleMeta, SampleRecord
+from dataferry.schema._errors import StoreUnavailable
+
+SPEC_PATH = Path(__file__).resolve().parent.parent / "server" / "openapi.yaml"
+
+LABELS = ("cat", "dog", "eel")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@contextlib.asynccontextmanager
+async def serve(app: web.Application, *, ssl_context=None, host: str = "127.0.0.1") -> AsyncIterator[str]:
+    """Run ``app`` on a free loopback port; yield its base URL."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, 0, ssl_context=ssl_context)
+        await site.start()
+        port = runner.addresses[0][1]
+        yield f"{'https' if ssl_context else 'http'}://{'localhost' if ssl_context else host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def make_samples(n: int, *, size: int = 2000, seed: int = 0) -> list[Sample]:
+    """``n`` samples with ids spread over int64, and every kind of target:
+    None, empty, and bytes."""
+    rng = np.random.default_rng(seed)
+    ids = rng.choice(np.iinfo(np.int64).max, n, replace=False) * rng.choice([-1, 1], n)
+    out = []
+    for k, i in enumerate(ids.tolist()):
+        data = rng.integers(0, 256, size + 37 * k, dtype=np.uint8).tobytes()
+        target = (None, b"", bytes(rng.integers(0, 256, 5 + k, dtype=np.uint8)))[k % 3]
+        out.append(Sample(int(i), k % len(LABELS), data, target))
+    return out
+
+
+async def seed(store, dataset: str, samples: list[Sample], splits: dict[str, list[int]] | None = None) -> None:
+    """Write ``samples``, the dataset row, ``all``, and ``splits`` (name -> sample indexes)."""
+    recs = [
+        SampleRecord(s, SampleMeta(s.id, s.label, f"{LABELS[s.label]}/{k}.jpg", "JPEG", 8, 8, len(s.data), "0" * 64))
+        for k, s in enumerate(samples)
+    ]
+    await store.put_samples(dataset, recs)
+    await store.put_dataset(DatasetInfo(dataset, LABELS, len(samples), dt.datetime(2024, 5, 1, tzinfo=dt.timezone.utc)))
+    every = {"all": list(range(len(samples))), **(splits or {})}
+    for name, idx in every.items():
+        sel = [samples[k] for k in idx]
+        await store.put_split(dataset, name, IdList([s.id for s in sel], [s.label for s in sel]))
+
+
+async def decode(body: bytes, dataset: str) -> list:
+    """The records of a complete batch fetch body (END/ERROR records included)."""
+    reader = asyncio.StreamReader()
+    reader.feed_data(body)
+    reader.feed_eof()
+    return [r async for r in read_frames(reader, dataset)]
+
+
+# --- the OpenAPI document ----------------------------------------------------------------------
+def _deref(node, root):
+    if isinstance(node, dict):
+        if "$ref" in node:
+            target = root
+            for part in node["$ref"].lstrip("#/").split("/"):
+                target = target[part]
+            return _deref(target, root)
+        return {k: _deref(v, root) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_deref(v, root) for v in node]
+    return node
+
+
+@functools.lru_cache(maxsize=1)
+def spec_document() -> dict:
+    return yaml.safe_load(SPEC_PATH.read_text())
+
+
+class Spec:
+    """Check a response against ``openapi.yaml``: documented status, media type, JSON schema."""
+
+    def __init__(self) -> None:
+        raw = spec_document()
+        self.doc = _deref(copy.deepcopy(raw), raw)
+
+    def check(self, method: str, template: str, status: int, content_type: str, body: bytes) -> None:
+        op = self.doc["paths"][template][method.lower()]
+        responses = op["responses"]
+        assert str(status) in responses, f"{method} {template}: status {status} is not documented"
+        content = responses[str(status)].get("content", {})
+        ctype = content_type.split(";")[0].strip()
+        assert ctype in content, f"{method} {template} {status}: media type {ctype!r} not in {sorted(content)}"
+        if ctype == "application/json":
+            import json
+
+            OAS30Validator(content[ctype]["schema"]).validate(json.loads(body))
+
+
+SPEC = Spec()
+
+
+async def call(
+    session: aiohttp.ClientSession, method: str, url: str, template: str | None = None, **kw
+) -> tuple[int, dict, bytes]:
+    """One request; the response is checked against the spec when ``template`` names its path."""
+    async with session.request(method, url, **kw) as resp:
+        body = await resp.read()
+        if template is not None:
+            SPEC.check(method, template, resp.status, resp.headers.get("Content-Type", ""), body)
+        return resp.status, dict(resp.headers), body
+
+
+# --- TLS -----------------------------------------------------------------------------------------
+def self_signed(folder: Path) -> tuple[str, str]:
+    """A self-signed certificate for localhost and 127.0.0.1; (cert, key) PEM paths."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return str(cert_path), str(key_path)
+
+
+# --- a store that fails on demand ------------------------------------------------------------------
+class BrokenStore:
+    """Wrap a real store. ``fail_after``: fetch raises StoreUnavailable after
+    that many results (0: before any). ``hang_after``: fetch hangs after that
+    many. ``catalog``: "fail" or "hang" for list_datasets. ``yielded`` counts
+    results handed out."""
+
+    def __init__(self, inner, *, fail_after=None, hang_after=None, catalog=None) -> None:
+        self.inner = inner
+        self.url = getattr(inner, "url", "broken")
+        self.fail_after, self.hang_after, self.catalog = fail_after, hang_after, catalog
+        self.yielded = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def list_datasets(self):
+        if self.catalog == "fail":
+            raise StoreUnavailable("injected: catalog unreachable")
+        if self.catalog == "hang":
+            await asyncio.Event().wait()
+        return await self.inner.list_datasets()
+
+    async def fetch(self, dataset, ids):
+        n = 0
+        async for r in self.inner.fetch(dataset, ids):
+            if n == self.fail_after:
+                raise StoreUnavailable("injected: connection to the store lost")
+            if n == self.hang_after:
+                await asyncio.Event().wait()
+            n += 1
+            self.yielded += 1
+            yield r
+        if n == self.fail_after:
+            raise StoreUnavailable("injected: connection to the store lost")
