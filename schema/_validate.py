@@ -287,9 +287,6 @@ def validator_pool(workers: int | None = None) -> ProcessPoolExecutor:
     n = workers if workers is not None else (os.cpu_count() or 1)
     if n < 1:
         raise ConfigError(f"workers must be at least 1, got {n}")
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])  # workers start with Pillow imported
-    else:
-        ctx = multiprocessing.get_context("spawn")
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
     return ProcessPoolExecutor(max_workers=n, mp_context=ctx)
