@@ -41,7 +41,7 @@ def no_query(request: web.Request) -> None:
 
 async def read_ids(request: web.Request, options: ServerOptions) -> np.ndarray:
     """The ids of a batch fetch body: binary int64 or JSON ``{"ids": [...]}``."""
-    if hdrs.CONTENT_TYPE not in request.headers:
+    if not request.headers.get(hdrs.CONTENT_TYPE, "").strip():
         raise http_error(415, "unsupported_media_type", f"send Content-Type: {IDS_TYPE} (int64 ids) or {JSON_TYPE}")
     ctype = request.content_type
     if ctype not in (IDS_TYPE, JSON_TYPE):
