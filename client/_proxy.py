@@ -286,7 +286,8 @@ class _Pipe:
 
     def _update_reading(self) -> None:
         # with some hysteresis: once full, read again when a quarter is free
-        full = self.held + self.read_size > (self._cap - self._cap // 4 if self._paused else self._cap)
+        limit = max(self._cap - self._cap // 4, self.read_size) if self._paused else self._cap
+        full = self.held + self.read_size > limit
         pause = not self._started or full or (self._direct and self._blocked)
         if pause != self._paused and not self.dead:
             self._paused = pause
@@ -314,7 +315,11 @@ class _Pipe:
         if self.dead:
             return
         if self._direct and self._started and not self._queue:
-            self._dst.transport.write(data)  # may call pause_writing
+            transport = self._dst.transport
+            if transport.is_closing():  # lost; connection_lost is on its way
+                self.kill()
+                return
+            transport.write(data)  # may call pause_writing
             self._delivered(len(data))
             return
         size = len(data)
@@ -342,7 +347,11 @@ class _Pipe:
         queue, transport = self._queue, self._dst.transport
         now = time.monotonic()
         written = 0
+        lost = False
         while queue and not self._blocked:
+            if transport.is_closing():  # lost; connection_lost is on its way
+                lost = True
+                break
             release, data = queue[0]
             if release > now:
                 self._timer = self._conn.loop.call_later(max(release - now, _TIMER_SLACK), self._flush)
@@ -358,6 +367,8 @@ class _Pipe:
             self._counters.buffered -= written
             self._delivered(written)
             self._update_reading()
+        if lost:
+            self.kill()
 
     def _deliver_end(self, marker: bytes | None) -> None:
         self.done = True

@@ -386,6 +386,24 @@ def test_backpressure_bounds_what_the_proxy_holds():
     assert count == sent and final.buffered == 0
 
 
+@pytest.mark.parametrize("max_buffer", [1000, 64_000])
+def test_a_cap_smaller_than_a_read_still_flows(max_buffer):
+    payload = random.Random(max_buffer).randbytes(200_000)
+
+    async def main():
+        link = LinkOptions(delay=0.001, max_buffer=max_buffer)
+        async with upstream(echo) as up, LatencyProxy(up, link) as proxy:
+            reader, writer = await asyncio.open_connection(*proxy.address)
+            writer.write(payload)
+            writer.write_eof()
+            received = await reader.read(-1)
+            await close_writer(writer)
+            assert proxy.stats.peak_buffered <= max_buffer
+        assert received == payload
+
+    run(main())
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_half_close_travels_both_ways(loop):
     delay = 0.02
