@@ -1,1 +1,1 @@
-"""placeholder"""
+"""dataferry.bench: benchmarks that print numbers."""

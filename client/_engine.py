@@ -40,7 +40,7 @@ from ._plan import EpochPlan
 from ._progress import Progress
 from ._stats import Counters
 
-__all__ = ["Batch", "EndOfEpoch", "EpochRun", "SampleFailed", "RETRYABLE"]
+__all__ = ["Batch", "EndOfEpoch", "EpochRun", "Link", "SampleFailed", "RETRYABLE"]
 
 #: errors worth another try; anything else is a bug and stops the epoch
 RETRYABLE = (StoreError, OSError, TimeoutError, asyncio.TimeoutError, EOFError)
@@ -94,6 +94,18 @@ class _Req:
     answered: set[int] = field(default_factory=set)
 
 
+class Link:
+    """What the engine has learned about the link (window, sample size,
+    latencies), carried from one epoch to the next so a new epoch does not
+    start its window from scratch."""
+
+    def __init__(self, prefetch: Prefetch, hedge: Hedge) -> None:
+        self.window = prefetch.initial_inflight
+        self.mean_bytes = float(prefetch.sample_bytes_hint)
+        self.latencies: deque[float] = deque(maxlen=hedge.history)
+        self.hedge_after = float("inf")
+
+
 class EpochRun:
     """Fetch one epoch of ``plan`` from ``source`` and ``emit`` batches."""
 
@@ -113,6 +125,7 @@ class EpochRun:
         counters: Counters,
         emit: Callable[[object], None],
         done: Progress | None = None,
+        link: Link | None = None,
     ) -> None:
         self.source, self.dataset, self.plan = source, dataset, plan
         self.batch_size, self.drop_last, self.in_order = batch_size, drop_last, in_order
@@ -122,7 +135,7 @@ class EpochRun:
         n = len(plan)
         self.completed = done.copy() if done is not None else Progress(n)
         self.request_size = prefetch.request_size or getattr(source, "preferred_request_size", 32)
-        self.window = prefetch.initial_inflight
+        self.link = link if link is not None else Link(prefetch, hedge)
         self._cursor = 0
         self._retry_heap: list[tuple[float, int, list[int], int]] = []
         self._seq = itertools.count()
@@ -130,9 +143,6 @@ class EpochRun:
         self._cover: dict[int, int] = {}  # position -> requests covering it
         self._attempts: dict[int, int] = {}
         self._reserved = 0
-        self._mean_bytes = float(prefetch.sample_bytes_hint)
-        self._latencies: deque[float] = deque(maxlen=hedge.history)
-        self._hedge_after = float("inf")
         self._wake: asyncio.Future | None = None
         self._rand = random.Random(plan.seed * 1000003 + plan.epoch)
         # batch assembly
@@ -195,14 +205,14 @@ class EpochRun:
 
     def _dispatch(self, now: float) -> None:
         n = len(self.plan)
-        while len([r for r in self._active if not r.hedge]) < self.window:
+        while len([r for r in self._active if not r.hedge]) < self.link.window:
             if self._retry_heap and self._retry_heap[0][0] <= now:
                 positions, attempt = self._retry_heap[0][2], self._retry_heap[0][3]
                 positions = [p for p in positions if p not in self.completed and not self._cover.get(p)]
                 if not positions:
                     heapq.heappop(self._retry_heap)
                     continue
-                if not self._budget_allows(int(len(positions) * self._mean_bytes)):
+                if not self._budget_allows(int(len(positions) * self.link.mean_bytes)):
                     return
                 heapq.heappop(self._retry_heap)
                 self._start(positions, attempt, now)
@@ -216,7 +226,7 @@ class EpochRun:
             if not positions:
                 self._cursor = cur
                 return
-            if not self._budget_allows(int(len(positions) * self._mean_bytes)):
+            if not self._budget_allows(int(len(positions) * self.link.mean_bytes)):
                 return
             self._cursor = cur
             self._start(positions, 1, now)
@@ -228,21 +238,21 @@ class EpochRun:
             by_id.setdefault(int(ids[p]), []).append(p)
             self._cover[p] = self._cover.get(p, 0) + 1
             self._attempts[p] = max(self._attempts.get(p, 0), attempt)
-        per_sample = int(self._mean_bytes)
+        per_sample = int(self.link.mean_bytes)
         reserved = per_sample * len(positions)
         req = _Req(by_id, now, attempt, reserved, per_sample, hedge=hedge_of is not None, twin=hedge_of)
         if hedge_of is not None:
             hedge_of.twin = req
             self.c.hedges += 1
-        elif self._hedge_after != float("inf"):
-            req.deadline = now + self._hedge_after
+        elif self.link.hedge_after != float("inf"):
+            req.deadline = now + self.link.hedge_after
         self._reserved += reserved
         self.c.peak_bytes = max(self.c.peak_bytes, self._reserved + self.c.ready_bytes)
         req.task = asyncio.ensure_future(self._fetch(req))
         self._active.add(req)
         self.c.requests += 1
         self.c.inflight = len(self._active)
-        self.c.window = self.window
+        self.c.window = self.link.window
         return req
 
     async def _fetch(self, req: _Req) -> None:
@@ -266,7 +276,7 @@ class EpochRun:
             return
         nbytes = len(result.data)
         self.c.bytes += nbytes
-        self._mean_bytes += (nbytes - self._mean_bytes) * 0.05
+        self.link.mean_bytes += (nbytes - self.link.mean_bytes) * 0.05
         first = True
         for p in positions:
             if self.completed.add(p):
@@ -293,19 +303,19 @@ class EpochRun:
         if task.cancelled():
             pass  # a hedge twin made it redundant
         elif exc is None and not missing:
-            self._latencies.append(now - req.start)
+            self.link.latencies.append(now - req.start)
             self.c.rtt = now - req.start if self.c.rtt is None else self.c.rtt * 0.875 + (now - req.start) * 0.125
-            self.window = min(self.prefetch.max_inflight, self.window + 1)
-            if len(self._latencies) >= 8 and len(self._latencies) % 8 == 0 and self.hedge.enabled:
-                p95 = float(np.percentile(np.fromiter(self._latencies, float), 95))
-                self._hedge_after = max(self.hedge.min_delay, self.hedge.factor * p95)
+            self.link.window = min(self.prefetch.max_inflight, self.link.window + 1)
+            if len(self.link.latencies) >= 8 and len(self.link.latencies) % 8 == 0 and self.hedge.enabled:
+                p95 = float(np.percentile(np.fromiter(self.link.latencies, float), 95))
+                self.link.hedge_after = max(self.hedge.min_delay, self.hedge.factor * p95)
         else:
             if exc is not None and not isinstance(exc, RETRYABLE):
                 raise exc
             if exc is None:
                 exc = StoreError(f"source answered {len(missing)} of the ids it was asked for with nothing")
             self.c.failures += 1
-            self.window = max(self.prefetch.initial_inflight, self.window // 2)
+            self.link.window = max(self.prefetch.initial_inflight, self.link.window // 2)
         if missing:
             self._retry_later(missing, exc or StoreError("request cancelled"), now)
         if req.twin is not None and req.twin.twin is req:
@@ -328,14 +338,14 @@ class EpochRun:
     def _maybe_hedge(self, now: float) -> None:
         if not self.hedge.enabled:
             return
-        budget = max(1, int(self.hedge.max_fraction * self.window))
+        budget = max(1, int(self.hedge.max_fraction * self.link.window))
         hedges = sum(1 for r in self._active if r.hedge)
         for req in sorted((r for r in self._active if not r.hedge and r.twin is None), key=lambda r: r.deadline):
             if req.deadline > now or hedges >= budget:
                 break
             rest = [p for ps in req.positions.values() for p in ps if p not in self.completed]
             req.deadline = float("inf")
-            if rest and self._budget_allows(int(len(rest) * self._mean_bytes)):
+            if rest and self._budget_allows(int(len(rest) * self.link.mean_bytes)):
                 self._start(rest, req.attempt, now, hedge_of=req)
                 hedges += 1
 

@@ -25,7 +25,7 @@ from typing import Literal
 from dataferry.schema import ALL_SPLIT, IdList, SampleSource
 from dataferry.schema._errors import ConfigError, DataferryError
 
-from ._engine import Batch, EndOfEpoch, EpochRun
+from ._engine import Batch, EndOfEpoch, EpochRun, Link
 from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
 from ._plan import EpochPlan, make_plan, split_digest
 from ._progress import Progress
@@ -146,6 +146,7 @@ class Loader:
         self.epoch = epoch
         self._ids = ids
         self._counters = Counters()
+        self._link = Link(prefetch, hedge)
         self._queue: queue.Queue = queue.Queue()
         self._gen = 0  # generation of the running epoch; stale queue items are dropped
         self._plan: EpochPlan | None = None
@@ -209,7 +210,7 @@ class Loader:
             self._source, self.dataset, plan,
             batch_size=self.batch_size, drop_last=self.drop_last, in_order=self.order == "input",
             prefetch=self.prefetch, retry=self.retry, hedge=self.hedge, errors=self.errors,
-            counters=self._counters, emit=emit, done=self._delivered,
+            counters=self._counters, emit=emit, done=self._delivered, link=self._link,
         )
         self._run = run
 

@@ -66,7 +66,7 @@ def connect(opts: CassandraOptions, **cluster_args):
     """
     from cassandra import ConsistencyLevel, ProtocolVersion
     from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile
-    from cassandra.policies import DCAwareRoundRobinPolicy, HostDistance, RoundRobinPolicy, TokenAwarePolicy
+    from cassandra.policies import DCAwareRoundRobinPolicy, RoundRobinPolicy, TokenAwarePolicy
     from cassandra.query import tuple_factory
 
     child = DCAwareRoundRobinPolicy(opts.local_dc) if opts.local_dc else RoundRobinPolicy()
@@ -93,6 +93,8 @@ def connect(opts: CassandraOptions, **cluster_args):
         cluster.protocol_version = ProtocolVersion.V5  # still negotiated, minus the DSE-only versions
     if opts.username:
         cluster.auth_provider = _auth_provider(cluster, opts.username, opts.password)
+    if opts.protocol_version is not None and opts.protocol_version < 3:
+        _size_pool(cluster, opts)  # known up front: size the pool before it opens
     try:
         session = cluster.connect()
         exists = opts.keyspace in _keyspaces(session)
@@ -103,11 +105,17 @@ def connect(opts: CassandraOptions, **cluster_args):
         err = translate(exc, f"cannot connect to cassandra store {where(opts)}")
         raise err from (None if err is exc else exc)
     if cluster.protocol_version < 3:
-        # v1/v2 allow 128 requests per connection: open enough for `concurrency`.
-        n = min(8, max(2, math.ceil(opts.concurrency / 100) + 1))
-        cluster.set_max_connections_per_host(HostDistance.LOCAL, n)
-        cluster.set_core_connections_per_host(HostDistance.LOCAL, n)
+        _size_pool(cluster, opts)
     return cluster, session, exists
+
+
+def _size_pool(cluster, opts: CassandraOptions) -> None:
+    """v1/v2 allow 128 requests per connection: open enough for ``concurrency``."""
+    from cassandra.policies import HostDistance
+
+    n = min(8, max(2, math.ceil(opts.concurrency / 100) + 1))
+    cluster.set_max_connections_per_host(HostDistance.LOCAL, n)
+    cluster.set_core_connections_per_host(HostDistance.LOCAL, n)
 
 
 def _keyspaces(session) -> set[str]:

@@ -1,0 +1,174 @@
+"""Throughput against round-trip time, through the latency proxy.
+
+    python -m dataferry.bench.latency [--images 1000] [--rtt 0,20,100,200] [--seconds 5] [--repeats 3]
+
+For each RTT a :class:`~dataferry.client._proxy.ProxyThread` delays every
+byte by RTT/2 each way in front of the store, and each loader reads the same
+dataset through it:
+
+* ``ours-ooo``: the engine, out of order, incremental window (the default);
+* ``ours-inorder``: the engine with ``order="input"``;
+* ``naive``: a torch DataLoader, 2 workers, one blocking request per sample.
+
+Each configuration runs ``--repeats`` times; the table shows medians of
+steady-state throughput (after the first batch), time to first batch, and
+client CPU per 1,000 samples, plus ours at each RTT as a share of ours at 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ._common import Measurement, measure_loader, median_of, prepared_store, table
+
+__all__ = ["main", "run"]
+
+
+def _ours(url: str, dataset: str, *, order: str, batch_size: int, inflight: int):
+    from dataferry.client import Hedge, Loader, Prefetch
+
+    def make():
+        loader = Loader(
+            url, dataset, batch_size=batch_size, order=order,
+            prefetch=Prefetch(max_inflight=inflight, initial_inflight=2, max_bytes=1 << 30),
+            hedge=Hedge(min_delay=0.5),
+        )
+
+        def batches():
+            try:
+                while True:
+                    for batch in loader:
+                        yield len(batch), batch.nbytes
+            finally:
+                loader.close()
+
+        return batches()
+
+    return make
+
+
+class _NaiveDataset:
+    """One blocking CQL request per sample, a session per worker process."""
+
+    def __init__(self, url: str, dataset: str, ids: list[int]) -> None:
+        self.url, self.dataset, self.ids = url, dataset, ids
+        self._session = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int):
+        import numpy as np
+
+        if self._session is None:
+            from dataferry.schema import parse_store_url
+            from dataferry.schema._cqlconnect import connect
+
+            opts = parse_store_url(self.url)
+            _, self._session, _ = connect(opts)
+            self._stmt = self._session.prepare(f"SELECT label, data FROM {opts.keyspace}.samples WHERE dataset=? AND id=?")
+        label, data = self._session.execute(self._stmt, (self.dataset, self.ids[i])).one()
+        return np.frombuffer(data, np.uint8), label
+
+
+def _collate(items):
+    return items
+
+
+def _naive(url: str, dataset: str, ids: list[int], *, batch_size: int, workers: int = 2):
+    import torch.utils.data as tud
+
+    def make():
+        ds = _NaiveDataset(url, dataset, ids)
+        dl = tud.DataLoader(ds, batch_size=batch_size, num_workers=workers, collate_fn=_collate,
+                            shuffle=True, persistent_workers=False, multiprocessing_context="fork")
+
+        def batches():
+            while True:
+                for items in dl:
+                    yield len(items), sum(len(d) for d, _ in items)
+
+        return batches()
+
+    return make
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataferry.client._proxy import LinkOptions, ProxyThread
+
+    rtts = [float(x) for x in args.rtt.split(",")]
+    loaders = args.loaders.split(",")
+    with prepared_store("cassandra", args.images, store_url=args.store) as (url, upstream, report):
+        print(f"dataset: {report.num_samples} images, {report.bytes_out / report.num_samples / 1e3:.0f} KB mean "
+              f"(Cassandra at {upstream[0]}:{upstream[1]})", file=sys.stderr)
+        ids = None
+        results: dict[tuple[str, float], Measurement] = {}
+        for rtt in rtts:
+            with ProxyThread(upstream, LinkOptions(delay=rtt / 2000)) as proxy:
+                host, port = proxy.address
+                base = url.split("//", 1)[1].split("/", 1)[1]  # keyspace?options
+                sep = "&" if "?" in base else "?"
+                via = f"cassandra://{host}:{port}/{base}{sep}concurrency={args.concurrency}&request_timeout=30"
+                if ids is None and "naive" in loaders:
+                    ids = _all_ids(via)
+                for name in loaders:
+                    if name == "naive":
+                        make = _naive(via, "bench", ids, batch_size=args.batch_size)
+                    else:
+                        order = "input" if name == "ours-inorder" else "completion"
+                        make = _ours(via, "bench", order=order, batch_size=args.batch_size, inflight=args.inflight)
+                    runs = [measure_loader(make, seconds=args.seconds, max_samples=args.max_samples)
+                            for _ in range(args.repeats)]
+                    results[name, rtt] = m = median_of(runs)
+                    print(f"rtt {rtt:>5.0f} ms  {name:<13} {m.samples_per_s:>9,.0f} samples/s {m.mb_per_s:>8,.1f} MB/s "
+                          f"first batch {m.first_batch:.2f}s", file=sys.stderr)
+        print(render(results, rtts, loaders))
+    return 0
+
+
+def render(results, rtts, loaders) -> str:
+    rows = []
+    for name in loaders:
+        base = results.get((name, rtts[0]))
+        for rtt in rtts:
+            m = results[name, rtt]
+            share = f"{m.samples_per_s / base.samples_per_s:.0%}" if base and base.samples_per_s else "-"
+            rows.append([name, f"{rtt:.0f}", f"{m.samples_per_s:,.0f}", f"{m.mb_per_s:,.1f}", share,
+                         f"{m.first_batch:.2f}", f"{m.cpu_per_1k:.2f}"])
+    return table(["loader", "RTT ms", "samples/s", "MB/s", f"vs RTT {rtts[0]:.0f}", "first batch s", "CPU s/1k"], rows)
+
+
+def _all_ids(url: str) -> list[int]:
+    import asyncio
+
+    from dataferry.schema import open_store
+
+    async def go():
+        async with await open_store(url, create=False) as store:
+            return (await store.read_split("bench", "all")).ids.tolist()
+
+    return asyncio.run(go())
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--images", type=int, default=1000, help="synthetic ~110 KB JPEGs (default 1000)")
+    p.add_argument("--rtt", default="0,20,100,200", help="round-trip times in ms (default 0,20,100,200)")
+    p.add_argument("--loaders", default="ours-ooo,ours-inorder,naive")
+    p.add_argument("--seconds", type=float, default=5.0, help="steady-state seconds per run (default 5)")
+    p.add_argument("--max-samples", type=int, default=50_000)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--inflight", type=int, default=64, help="engine max requests in flight")
+    p.add_argument("--concurrency", type=int, default=768, help="CQL requests in flight per store")
+    p.add_argument("--store", default=None, help="an existing cassandra:// store (default: start Cassandra 1.2)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dataferry.bench.latency", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
