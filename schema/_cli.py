@@ -3,8 +3,9 @@
 Each subcommand is two plain functions: ``configure(parser)`` declares its
 arguments (cheap: it runs for ``--help``) and ``run(args) -> int`` does the
 work, importing numpy, Pillow and the stores only then, so ``dataferry
---help`` answers at once. :func:`command` registers a pair; later subcommands
-(``serve``, ``latency-proxy``, ``bench``) register the same way.
+--help`` answers at once. :func:`command` registers a pair. Subcommands of
+other packages (``serve``, ``latency-proxy``; later ``bench``) are listed in
+``_MODULES`` and imported only when they are the command being run.
 
 Exit status: 0 on success; 1 when ingest rejected files (unless
 ``--allow-rejects``); 2 for usage, configuration and store errors, printed as
@@ -24,6 +25,14 @@ __all__ = ["main", "command"]
 
 Configure = Callable[[argparse.ArgumentParser], None]
 _COMMANDS: dict[str, tuple[str, Configure]] = {}
+
+#: Subcommands that live in other packages: name -> (module, help). The module
+#: has ``add_cli_arguments(parser)`` and ``cli(args) -> int``, and is imported
+#: only when its subcommand is the one asked for.
+_MODULES: dict[str, tuple[str, str]] = {
+    "serve": ("dataferry.server._cli", "serve a store's samples over HTTP to remote training jobs"),
+    "latency-proxy": ("dataferry.client._proxy", "a TCP proxy that adds delay, jitter and a bandwidth cap"),
+}
 
 
 def command(name: str, help: str) -> Callable[[Configure], Configure]:
@@ -274,7 +283,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 # --- main -------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(chosen: str | None = None) -> argparse.ArgumentParser:
+    """The parser; of the ``_MODULES`` commands only ``chosen`` gets its arguments."""
     parser = argparse.ArgumentParser(
         prog="dataferry",
         description="Store images in Cassandra/ScyllaDB or SQLite and stream them to training jobs.",
@@ -282,12 +292,21 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (text, configure) in _COMMANDS.items():
         configure(sub.add_parser(name, help=text, description=text))
+    for name, (module, text) in _MODULES.items():
+        p = sub.add_parser(name, help=text, description=text)
+        if name == chosen:
+            import importlib
+
+            mod = importlib.import_module(module)
+            mod.add_cli_arguments(p)
+            p.set_defaults(run=mod.cli)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``dataferry`` command line; return the exit status."""
-    parser = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser(argv[0] if argv else None)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error (already printed)

@@ -170,3 +170,14 @@ def test_schema_apply_on_a_real_server(cassandra_server, capsys):
         assert "schema applied to keyspace" in out
     code, out, err = cli(capsys, "ls", "--store", url)
     assert code == 0 and "no datasets" in out, err
+
+
+@pytest.mark.parametrize("name, option", [("serve", "--port"), ("latency-proxy", "--upstream")])
+def test_subcommands_of_other_packages_are_wired_lazily(name, option, capsys):
+    assert main([name, "--help"]) == 0
+    assert option in capsys.readouterr().out
+
+
+def test_a_config_error_from_another_package_is_one_line(capsys):
+    code, _, err = cli(capsys, "latency-proxy", "--upstream", "nohost")
+    assert code == 2 and err.startswith("dataferry: error: bad --upstream address") and err.count("\n") == 1
