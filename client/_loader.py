@@ -77,9 +77,11 @@ class _LoopThread:
             self.thread.join(10)
 
 
-async def _open_source(source: SampleSource | str) -> tuple[SampleSource, bool]:
+async def _open_source(source) -> tuple[SampleSource, bool]:
     if not isinstance(source, str):
-        return source, False
+        if hasattr(source, "fetch"):
+            return source, False
+        return await source(), True  # an async factory, run on the engine's loop
     if source.startswith(("http://", "https://")):
         from ._http import HttpSource  # the data service client
 
@@ -111,8 +113,10 @@ class Loader:
     """Stream batches of ``dataset`` from ``source`` (a SampleSource or a URL).
 
     ``source`` may be a :class:`~dataferry.schema.SampleSource` (not owned),
-    or a store URL (``sqlite:...``, ``cassandra://...``) or data service URL
-    (``http(s)://...``), which the loader opens on its loop and closes.
+    a store URL (``sqlite:...``, ``cassandra://...``) or data service URL
+    (``http(s)://...``), or an async factory returning a source (for sources
+    bound to the engine's event loop); the loader opens the last three on its
+    loop and closes them.
     The epoch's ids come from ``ids`` when given, else from the source's
     ``read_split(dataset, split)``.
     """
@@ -138,7 +142,7 @@ class Loader:
             raise ConfigError(f"batch_size must be >= 1, not {batch_size}")
         if order not in ("completion", "input"):
             raise ConfigError(f"order must be 'completion' or 'input', not {order!r}")
-        if ids is None and not hasattr(source, "read_split") and not isinstance(source, str):
+        if ids is None and hasattr(source, "fetch") and not hasattr(source, "read_split"):
             raise ConfigError("this source has no catalog: pass ids=IdList(...)")
         self.dataset, self.split = dataset, split
         self.batch_size, self.drop_last, self.order = batch_size, drop_last, order
