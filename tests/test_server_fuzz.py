@@ -1,0 +1,88 @@
+"""Fuzz the data service from its OpenAPI document with schemathesis.
+
+Valid and invalid path parameters, bodies (random bytes, malformed JSON) and
+headers for every operation, against one real server (SQLite, with a token)
+on loopback. Every response must conform to ``server/openapi.yaml`` (status,
+media type, JSON schema) and none may be a 5xx; afterwards the server is still
+healthy and still serves a real batch fetch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import urllib.request
+
+import hypothesis
+import pytest
+import schemathesis
+from schemathesis import GenerationMode
+from schemathesis.checks import positive_data_acceptance
+
+from dataferry.client._http import HttpSource
+from dataferry.schema import Sample, open_store
+from dataferry.server import ServerOptions, make_app
+from test_server_kit import SPEC_PATH, make_samples, seed, serve
+
+TOKEN = "fuzz-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+# the dataset, split and ids the spec's examples name
+SAMPLES = [Sample(i + 1, s.label, s.data, s.target) for i, s in enumerate(make_samples(8))]
+
+schema = schemathesis.openapi.from_path(str(SPEC_PATH))
+schema.config.generation.update(
+    modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE], max_examples=60, database="none", deterministic=True
+)
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tmp_path_factory):
+    """Base URL of one server for the module, run by a background event loop."""
+    db = tmp_path_factory.mktemp("fuzz") / "s.db"
+    loop = asyncio.new_event_loop()
+    ready, box = threading.Event(), {}
+    stop = asyncio.Event()
+
+    async def main():
+        async with await open_store(f"sqlite://{db}") as store:
+            await seed(store, "imagenet", SAMPLES, {"train": [0, 1, 2]})
+            async with serve(make_app(store, ServerOptions(token=TOKEN))) as base:
+                box["base"] = base
+                ready.set()
+                await stop.wait()
+
+    thread = threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    yield box["base"]
+    loop.call_soon_threadsafe(stop.set)
+    thread.join(30)
+    loop.close()
+
+
+@schema.parametrize()
+@hypothesis.settings(deadline=None, suppress_health_check=list(hypothesis.HealthCheck), print_blob=False)
+def test_fuzz(case, fuzz_server):
+    # any bytes are a schema-valid binary body, but only whole int64s are ids
+    binary = case.media_type == "application/octet-stream"
+    case.call_and_validate(base_url=fuzz_server, headers=AUTH,
+                           excluded_checks=[positive_data_acceptance] if binary else None)
+
+
+def test_still_healthy_after_fuzzing(fuzz_server):
+    async def go():
+        async with await HttpSource.open(fuzz_server, token=TOKEN) as src:
+            got = [r async for r in src.fetch("imagenet", [s.id for s in SAMPLES])]
+            return got, await src.list_datasets()
+
+    with urllib.request.urlopen(fuzz_server + "/healthz", timeout=5) as resp:
+        assert resp.status == 200
+    req = urllib.request.Request(fuzz_server + "/metrics", headers=AUTH)
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        counts = [line for line in resp.read().decode().splitlines() if line.startswith("dataferry_server_requests_total")]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in counts) > 300  # the fuzzer did send plenty
+    assert not [line for line in counts if 'status="5' in line]
+    got, infos = asyncio.run(go())
+    assert sorted(got, key=lambda s: s.id) == sorted(SAMPLES, key=lambda s: s.id)
+    assert [i.name for i in infos] == ["imagenet"]
+
