@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import random
 import signal
@@ -36,8 +37,9 @@ from dataferry.client._proxy import (
 )
 from dataferry.schema import ConfigError
 
-LOOPS = ["asyncio", pytest.param("uvloop", marks=pytest.mark.skipif(
-    not __import__("importlib").util.find_spec("uvloop"), reason="uvloop not installed"))]
+_NO_UVLOOP = importlib.util.find_spec("uvloop") is None
+#: the proxy must behave the same on both event loops
+LOOPS = ["asyncio", pytest.param("uvloop", marks=pytest.mark.skipif(_NO_UVLOOP, reason="uvloop not installed"))]
 
 
 def run(coro, loop: str = "asyncio", timeout: float = 20.0):
