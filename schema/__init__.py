@@ -44,6 +44,12 @@ __all__ = [
     "SqliteOptions",
     "CassandraOptions",
     "DEFAULT_STORE_URL",
+    # ingest
+    "ingest",
+    "IngestOptions",
+    "IngestReport",
+    "make_splits",
+    "make_synthetic",
 ]
 
 _WHERE = {
@@ -55,6 +61,9 @@ _WHERE = {
     "_store": "SampleSource Store SampleRecord FetchResult",
     "_open": "open_store",
     "_url": "parse_store_url SqliteOptions CassandraOptions DEFAULT_STORE_URL",
+    "_ingest": "ingest IngestOptions IngestReport",
+    "_splits": "make_splits",
+    "_synthetic": "make_synthetic",
 }
 _LAZY = {name: mod for mod, names in _WHERE.items() for name in names.split()}
 
