@@ -8,6 +8,7 @@ from ._loader import Loader
 from ._memory import Faults, FaultySource, MemorySource
 from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
 from ._plan import EpochPlan, make_plan
+from ._proxy import LatencyProxy, LinkOptions, ProxyStats, ProxyThread, parse_duration, parse_rate
 from ._stats import Stats
 
 __all__ = [
@@ -25,4 +26,10 @@ __all__ = [
     "MemorySource",
     "Faults",
     "FaultySource",
+    "LatencyProxy",
+    "LinkOptions",
+    "ProxyStats",
+    "ProxyThread",
+    "parse_duration",
+    "parse_rate",
 ]

@@ -18,6 +18,7 @@ PUBLIC = {
     "dataferry.client": [
         "Batch", "EpochPlan", "ErrorPolicy", "Faults", "FaultySource", "Hedge", "Loader", "MemorySource",
         "PlanOptions", "Prefetch", "Retry", "SampleFailed", "Stats", "make_plan",
+        "LatencyProxy", "LinkOptions", "ProxyStats", "ProxyThread", "parse_duration", "parse_rate",
     ],
 }
 
