@@ -11,9 +11,10 @@ with one :class:`HttpSource` and keeps ``--inflight`` batch requests of
 ``--request-size`` random ids in flight until the time is up.
 
 Printed: samples/s and MB/s served, request latency (p50/p99), errors (must be
-0: the exit status is 1 otherwise), the server's RSS at start, middle and end
-(it should stay flat), and the server's CPU time per sample, read from
-``/proc/<pid>/stat``. Clients and server share this machine's cores, so the
+0: the exit status is 1 otherwise), the server's RSS idle, warm (2 s in),
+middle, end and peak (flat from warm to end: about the requests in flight times
+their bytes, since the store materializes a request's rows), and the server's
+CPU time per sample, read from ``/proc/<pid>/stat``. Clients and server share this machine's cores, so the
 numbers are a floor for the server alone.
 """
 
@@ -36,9 +37,9 @@ DATASET = "bench"
 
 
 # --- the store ---------------------------------------------------------------------------------
-def prepare_store(images: int, data: str) -> str:
-    """A SQLite store URL holding ``images`` samples; built once per (images, data)."""
-    path = os.path.join(tempfile.gettempdir(), f"dataferry-load-{data}-{images}.db")
+def prepare_store(images: int, data: str, folder: str | None = None) -> str:
+    """A SQLite store URL holding ``images`` samples; built once per (images, data, folder)."""
+    path = os.path.join(folder or tempfile.gettempdir(), f"dataferry-load-{data}-{images}.db")
     url = f"sqlite://{path}"
     asyncio.run(_fill(url, images, data))
     return url
@@ -157,7 +158,7 @@ async def _client_main(url, ids, start, seconds, inflight, size, seed) -> dict:
 
 # --- the run ---------------------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
-    store_url = prepare_store(args.images, args.data)
+    store_url = prepare_store(args.images, args.data, args.cache_dir)
     ids = list(range(args.images)) if args.data == "random" else _ids(store_url)
     server, url = start_server(store_url)
     pid = server.pid
@@ -174,11 +175,13 @@ def run(args: argparse.Namespace) -> int:
             p.start()
         time.sleep(max(0.0, start - time.time()))
         rss0, cpu0, t0 = rss_mb(pid), cpu_s(pid), time.perf_counter()
-        time.sleep(args.seconds / 2)
-        rss_mid = rss_mb(pid)
-        results = [out.get(timeout=args.seconds + 120) for _ in procs]
+        rss = []  # (seconds into the run, MB), every 0.25 s
+        while time.perf_counter() - t0 < args.seconds:
+            time.sleep(0.25)
+            rss.append((time.perf_counter() - t0, rss_mb(pid)))
+        results = [out.get(timeout=120) for _ in procs]
         elapsed = time.perf_counter() - t0
-        rss_end, cpu = rss_mb(pid), cpu_s(pid) - cpu0
+        cpu = cpu_s(pid) - cpu0
         for p in procs:
             p.join(30)
     finally:
@@ -201,7 +204,11 @@ def run(args: argparse.Namespace) -> int:
           f"({samples} samples, {requests} requests)")
     print(f"  latency     p50 {lat[len(lat) // 2] * 1e3:.1f} ms  p99 {lat[int(len(lat) * 0.99)] * 1e3:.1f} ms per request")
     print(f"  errors      {errors}")
-    print(f"  server RSS  start {rss0:.1f} MB  middle {rss_mid:.1f} MB  end {rss_end:.1f} MB")
+    warm = next((mb for t, mb in rss if t >= min(2.0, args.seconds / 4)), rss0)
+    mid = next((mb for t, mb in rss if t >= args.seconds / 2), rss0)
+    end = rss[-1][1] if rss else rss0
+    print(f"  server RSS  idle {rss0:.1f} MB  warm {warm:.1f} MB  middle {mid:.1f} MB  end {end:.1f} MB  "
+          f"peak {max((mb for _, mb in rss), default=rss0):.1f} MB")
     print(f"  server CPU  {cpu:.2f} s = {cpu / max(samples, 1) * 1e6:.1f} us per sample "
           f"({cpu / seconds * 100:.0f}% of one core)")
     return 1 if errors or not samples else 0
@@ -226,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-size", type=int, default=64, help="ids per request")
     p.add_argument("--data", choices=("synthetic", "random"), default="synthetic",
                    help="synthetic JPEGs (cached after the first run) or random bytes of JPEG-like sizes")
+    p.add_argument("--cache-dir", help="where the store file is kept (default: the temp folder)")
     args = p.parse_args(argv)
     if args.request_size > args.images:
         p.error("--request-size must not exceed --images")

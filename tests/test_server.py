@@ -479,3 +479,13 @@ def test_cli_rejects_bad_arguments(args, message):
     out = subprocess.run([sys.executable, "-m", "dataferry.server", "--port", "0", *args],
                          capture_output=True, text=True, timeout=30, env={**os.environ, "PYTHONWARNINGS": "error"})
     assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_load_bench_smoke(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "dataferry.bench.load_server", "--seconds", "1", "--clients", "2", "--images", "100",
+         "--data", "random", "--cache-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "error"},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "errors      0" in out.stdout and "us per sample" in out.stdout and "server RSS" in out.stdout
