@@ -86,7 +86,8 @@ class HttpOptions:
     connect_timeout: float = 10.0
     #: seconds of silence allowed while reading a response
     read_timeout: float = 60.0
-    #: seconds an idle pooled connection is kept
+    #: seconds an idle pooled connection is kept (below the server's 75 s, so
+    #: the client, not the server, closes idle connections: no reuse races)
     keepalive: float = 60.0
     #: PEM bundle to verify the server's certificate with (default: system CAs)
     ca_file: str | None = None

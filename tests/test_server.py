@@ -435,18 +435,19 @@ def test_make_app_opens_and_closes_a_store_url(store_url, dataset_name):
 
 
 # --- the CLI ------------------------------------------------------------------------------------------
-def test_cli_serves_and_stops_on_sigterm(tmp_path):
+def test_cli_serves_and_finishes_in_flight_responses_on_sigterm(tmp_path):
     db = tmp_path / "s.db"
+    samples = make_samples(40, size=512 << 10)  # 20 MB: still streaming when SIGTERM comes
 
     async def prepare():
         async with await open_store(f"sqlite://{db}") as store:
-            await seed(store, "d", make_samples(6))
+            await seed(store, "d", samples)
 
     run(prepare())
     (tmp_path / "tok").write_text("tok\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "dataferry.server", "--store", f"sqlite://{db}", "--port", "0",
-         "--token-file", str(tmp_path / "tok"), "--no-access-log", "--grace", "2"],
+         "--token-file", str(tmp_path / "tok"), "--no-access-log", "--grace", "5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -455,11 +456,20 @@ def test_cli_serves_and_stops_on_sigterm(tmp_path):
         base = line.split()[-1]
 
         async def use():
-            async with await HttpSource.open(base, token="tok") as src:
-                return len([r async for r in src.fetch("d", (await src.read_split("d", "all")).ids)])
+            options = HttpOptions(read_buffer=1 << 16)
+            async with await HttpSource.open(base, token="tok", options=options) as src:
+                ids = (await src.read_split("d", "all")).ids
+                it = src.fetch("d", ids).__aiter__()
+                got = [await anext(it)]
+                proc.send_signal(signal.SIGTERM)  # mid-stream: the response must still finish
+                await asyncio.sleep(0.5)
+                got += [r async for r in it]
+                with pytest.raises(StoreUnavailable):  # and no new connections are taken
+                    await src.list_datasets()
+                return got
 
-        assert run(use()) == 6
-        proc.send_signal(signal.SIGTERM)
+        got = run(use())
+        assert sorted(r.id for r in got) == sorted(x.id for x in samples)
         assert proc.wait(10) == 0
         assert "tok" not in proc.stderr.read().replace("--token-file", "")
     finally:
