@@ -35,6 +35,19 @@ async def _fetch_raw(session, base, dataset, ids, **kw):
                       data=encode_ids(ids), headers={**BIN, **kw.pop("headers", {})}, **kw)
 
 
+def test_openapi_document_is_valid_and_names_every_route():
+    from openapi_spec_validator import validate
+
+    from test_server_kit import spec_document
+
+    doc = spec_document()
+    validate(doc)
+    app = make_app("sqlite:unused.db")
+    routes = {(r.method.lower(), r.resource.canonical) for r in app.router.routes()}
+    documented = {(m, p) for p, ops in doc["paths"].items() for m in ops if m != "parameters"}
+    assert routes == documented
+
+
 # --- catalog ---------------------------------------------------------------------------------
 def test_catalog_endpoints(store_url, dataset_name):
     samples = make_samples(30)
