@@ -210,6 +210,9 @@ class HttpSource:
                     if isinstance(rec, EndRecord):
                         if answered != len(ids):
                             raise StoreError(f"{self.url}: {what} ended after {answered} answers")
+                        # wait for the body's end too, so the connection goes back to the pool
+                        if await resp.content.read():
+                            raise WireFormatError("bytes after the END record")
                         return
                     answered += 1
                     yield rec

@@ -18,6 +18,7 @@ import sys
 import aiohttp
 import numpy as np
 import pytest
+from aiohttp import web
 
 from dataferry.client._framing import FRAMES_TYPE, IDLIST_TYPE, EndRecord, ErrorRecord, decode_idlist, encode_ids
 from dataferry.client._http import HttpOptions, HttpSource, TokenRefused
@@ -189,6 +190,33 @@ def test_http_source_reads_through_the_server(store_url, dataset_name):
     assert info.label_names == LABELS and info.num_samples == 40 and info in infos
     assert [(s.name, s.num_ids) for s in splits] == [("all", 40)]
     assert sorted(idl.ids.tolist()) == sorted(x.id for x in samples)
+
+
+def test_http_source_keeps_its_connections_alive(tmp_path):
+    """Across a long link a new connection costs round trips: sequential requests share one."""
+    samples = make_samples(20)
+
+    async def go():
+        async with await open_store(f"sqlite://{tmp_path / 's.db'}") as store:
+            await seed(store, "d", samples)
+            app = make_app(store)
+            peers = []
+
+            @web.middleware
+            async def record_peer(request, handler):
+                peers.append(request.transport.get_extra_info("peername"))
+                return await handler(request)
+
+            app.middlewares.append(record_peer)
+            async with serve(app) as base, await HttpSource.open(base) as src:
+                await src.read_split("d", "all")
+                for _ in range(10):
+                    assert len([r async for r in src.fetch("d", [x.id for x in samples] + [7])]) == 21
+                await src.list_datasets()
+            return peers
+
+    peers = run(go())
+    assert len(peers) == 12 and len(set(peers)) == 1
 
 
 def test_store_failure_before_and_during_the_stream(tmp_path):
