@@ -264,19 +264,23 @@ def _run_schema(args: argparse.Namespace) -> int:
 # --- demo -------------------------------------------------------------------------
 
 
-@command("demo", "generate synthetic images, ingest them, read them all back and check them")
+@command("demo", "ingest synthetic images, serve them, and stream epochs across an emulated WAN link")
 def _configure_demo(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--images", type=_positive, default=300, metavar="N", help="synthetic images (default: 300)")
+    p.add_argument("--images", type=_positive, default=600, metavar="N", help="synthetic images (default: 600)")
     _store_arg(p, "sqlite:dataferry-demo.db")
+    p.add_argument("--rtt", type=float, default=100.0, metavar="MS", help="round trip of the emulated link (default: 100)")
+    p.add_argument("--epochs", type=_positive, default=3, help="epochs to stream (default: 3)")
+    p.add_argument("--naive-seconds", type=float, default=5.0, metavar="S", help="how long the naive loader runs (default: 5)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(run=_run_demo)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from ._demo import DemoOptions, run_demo
+    from dataferry.bench.demo import StreamDemoOptions, run_stream_demo
 
-    report = _run(run_demo(DemoOptions(images=args.images, store_url=args.store, progress=False if args.quiet else None)))
-    print(report.summary())
+    opts = StreamDemoOptions(images=args.images, store_url=args.store, rtt_ms=args.rtt, epochs=args.epochs,
+                             naive_seconds=args.naive_seconds, progress=False if args.quiet else None)
+    print(run_stream_demo(opts))
     return 0
 
 

@@ -139,15 +139,18 @@ def test_ingest_synthetic_keep_dir(store_url, dataset_name, tmp_path, capsys):
     assert len(list((tmp_path / "syn").rglob("*.jpg"))) == 24
 
 
-def test_demo_is_idempotent(tmp_path, monkeypatch, capsys):
+def test_demo_streams_exactly_once_and_is_idempotent(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    code, out, err = cli(capsys, "demo", "--images", 30, "-q")
+    args = ("demo", "--images", 30, "-q", "--rtt", 20, "--epochs", 2, "--naive-seconds", 0.3)
+    code, out, err = cli(capsys, *args)
     assert code == 0, err
-    assert "30 ingested, 0 already present" in out and "30 samples" in out and "every checksum matches" in out
+    assert "30 ingested, 0 already present" in out
+    assert "each sample exactly once, checksums verified" in out
+    assert out.count("|                dataferry |") == 2 and "naive (1 request/sample)" in out
     assert (tmp_path / "dataferry-demo.db").exists()
-    code, out, err = cli(capsys, "demo", "--images", 30, "-q")
+    code, out, err = cli(capsys, *args)
     assert code == 0, err
-    assert "0 ingested, 30 already present" in out and "nothing new to write" in out
+    assert "0 ingested, 30 already present" in out
 
 
 def test_schema_show_and_apply_needs_cassandra(capsys):
