@@ -4,6 +4,7 @@ See ``README.md`` in this folder for a map of the files and the data flow.
 """
 
 from ._engine import Batch, SampleFailed
+from ._http import HttpOptions, HttpSource, RequestRejected, TokenRefused
 from ._loader import Loader
 from ._memory import Faults, FaultySource, MemorySource
 from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
@@ -32,4 +33,8 @@ __all__ = [
     "ProxyThread",
     "parse_duration",
     "parse_rate",
+    "HttpSource",
+    "HttpOptions",
+    "TokenRefused",
+    "RequestRejected",
 ]

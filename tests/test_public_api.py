@@ -19,7 +19,9 @@ PUBLIC = {
         "Batch", "EpochPlan", "ErrorPolicy", "Faults", "FaultySource", "Hedge", "Loader", "MemorySource",
         "PlanOptions", "Prefetch", "Retry", "SampleFailed", "Stats", "make_plan",
         "LatencyProxy", "LinkOptions", "ProxyStats", "ProxyThread", "parse_duration", "parse_rate",
+        "HttpSource", "HttpOptions", "TokenRefused", "RequestRejected",
     ],
+    "dataferry.server": ["Metrics", "ServerOptions", "make_app"],
 }
 
 
