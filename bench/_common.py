@@ -88,19 +88,16 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 @contextlib.contextmanager
 def prepared_store(kind: str, images: int, dataset: str = "bench", store_url: str | None = None):
-    """Yield ``(url, host_port_or_None)`` of a store holding ``images`` synthetic JPEGs.
-
-    ``kind="cassandra"`` starts a throwaway Cassandra 1.2 (unless ``store_url``
-    is given); ``"sqlite"`` uses a temp file. Ingest is idempotent, so a given
-    store is filled once.
+    """Yield ``(url, (host, port) or None, ingest report)`` of a store holding
+    ``images`` synthetic JPEGs (the same bytes for every kind: the generator is
+    seeded). ``kind="cassandra"`` starts a throwaway Cassandra 1.2 unless
+    ``store_url`` is given; ``"sqlite"`` uses a temp file. Ingest is
+    idempotent, so a given store is filled once.
     """
-    from dataferry.schema import open_store, parse_store_url
-    from dataferry.schema._ingest import IngestOptions, ingest
-    from dataferry.schema._synthetic import make_synthetic
+    from dataferry.schema import IngestOptions, ingest, make_synthetic, open_store, parse_store_url
 
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="dataferry-bench-"))
-        server = None
         if store_url is None and kind == "cassandra":
             from dataferry.schema._devcassandra import DevCassandra
 
@@ -123,3 +120,28 @@ def prepared_store(kind: str, images: int, dataset: str = "bench", store_url: st
         report = asyncio.run(fill())
         addr = (opts.hosts[0], opts.port) if kind == "cassandra" else None
         yield store_url, addr, report
+
+
+@contextlib.contextmanager
+def data_server(store_url: str):
+    """Run ``dataferry serve`` on ``store_url`` in its own process; yield ``(host, port)``."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "dataferry.server", "--store", store_url, "--port", "0",
+           "--no-access-log", "--log-level", "WARNING", "--max-concurrent", "1024"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        if "listening on" not in line:
+            raise RuntimeError(f"the data server did not start: {line.strip() or 'no output'}")
+        host, port = line.rsplit("//", 1)[1].strip().rsplit(":", 1)
+        yield host, int(port)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()

@@ -15,14 +15,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
 
-from ._common import table
+from ._common import data_server, table
 
 __all__ = ["StreamDemoOptions", "run_stream_demo"]
 
@@ -37,28 +35,6 @@ class StreamDemoOptions:
     batch_size: int = 64
     naive_seconds: float = 5.0
     progress: bool | None = None
-
-
-def _start_server(store_url: str) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "dataferry.server", "--store", store_url, "--port", "0",
-           "--no-access-log", "--log-level", "WARNING"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        proc.wait()
-        raise RuntimeError(f"the data server did not start: {line.strip() or 'no output'}")
-    return proc, line.rsplit(" ", 1)[1].strip()
-
-
-def _stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    proc.stdout.close()
 
 
 async def _checksums(store_url: str, dataset: str) -> dict[int, str]:
@@ -112,12 +88,10 @@ def run_stream_demo(opts: StreamDemoOptions = StreamDemoOptions()) -> str:
                  + (f"; {report.images_per_s:.0f} images/s, {report.mb_per_s:.1f} MB/s" if report.ingested else ""))
     checksums = asyncio.run(_checksums(opts.store_url, opts.dataset))
 
-    server, server_url = _start_server(opts.store_url)
-    try:
-        host, port = server_url.split("//", 1)[1].rsplit(":", 1)
-        with ProxyThread((host, int(port)), LinkOptions(delay=opts.rtt_ms / 2000)) as proxy:
+    with data_server(opts.store_url) as (host, port):
+        with ProxyThread((host, port), LinkOptions(delay=opts.rtt_ms / 2000)) as proxy:
             link = f"http://{proxy.address[0]}:{proxy.address[1]}"
-            lines.append(f"server {server_url}, client through a latency proxy at {opts.rtt_ms:.0f} ms RTT ({link})")
+            lines.append(f"server http://{host}:{port}, client through a latency proxy at {opts.rtt_ms:.0f} ms RTT ({link})")
             rows = []
             with Loader(link, opts.dataset, batch_size=opts.batch_size) as loader:
                 for epoch in range(opts.epochs):
@@ -138,8 +112,6 @@ def run_stream_demo(opts: StreamDemoOptions = StreamDemoOptions()) -> str:
                 stats = loader.stats()
             n, nb, dt = asyncio.run(_naive(link, opts.dataset, list(checksums), opts.naive_seconds))
             rows.append(["naive (1 request/sample)", "-", f"{n:,}", f"{n / dt:,.1f}", f"{nb / dt / 1e6:,.2f}", f"{dt:.2f}"])
-    finally:
-        _stop_server(server)
     lines.append(table(["loader", "epoch", "samples", "samples/s", "MB/s", "seconds"], rows))
     best = max(float(r[3].replace(",", "")) for r in rows[:-1])
     lines.append(f"every epoch delivered each sample exactly once, checksums verified; "
