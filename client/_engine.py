@@ -1,4 +1,4 @@
-"""The async prefetch engine: one epoch of one rank's plan, out of order.
+"""The async prefetch engine: one rank's epochs, out of order, back to back.
 
 Data flow (everything runs on one event loop)::
 
@@ -15,6 +15,11 @@ Data flow (everything runs on one event loop)::
   requests in flight + bytes ready and not yet taken by the consumer).
 * Exactly once: a position is completed at most once (:class:`Progress`);
   late duplicates from hedges or retries are dropped and counted.
+* Epochs run back to back: once the current epoch has nothing new to send,
+  the next epoch's positions go out (retries of the current one still come
+  first). Its batches wait in the engine, inside the byte budget, until the
+  current epoch's end has been emitted, so the link never drains at an
+  epoch boundary and batches never mix epochs.
 * A failed request's unanswered positions go back with exponential backoff
   unless another request (a hedge) still covers them; after
   ``Retry.attempts`` tries, or for an unknown id, :class:`ErrorPolicy` decides.
@@ -40,7 +45,7 @@ from ._plan import EpochPlan
 from ._progress import Progress
 from ._stats import Counters
 
-__all__ = ["Batch", "EndOfEpoch", "EpochRun", "Link", "SampleFailed", "RETRYABLE"]
+__all__ = ["Batch", "EndOfEpoch", "Run", "Link", "SampleFailed", "RETRYABLE"]
 
 #: errors worth another try; anything else is a bug and stops the epoch
 RETRYABLE = (StoreError, OSError, TimeoutError, asyncio.TimeoutError, EOFError)
@@ -80,8 +85,21 @@ class EndOfEpoch:
     skipped: tuple[int, ...] = ()
 
 
+class Link:
+    """What the engine has learned about the link (window, sample size,
+    latencies), kept across epochs and runs so a new epoch does not start its
+    window from scratch."""
+
+    def __init__(self, prefetch: Prefetch, hedge: Hedge) -> None:
+        self.window = prefetch.initial_inflight
+        self.mean_bytes = float(prefetch.sample_bytes_hint)
+        self.latencies: deque[float] = deque(maxlen=hedge.history)
+        self.hedge_after = float("inf")
+
+
 @dataclass(eq=False)
 class _Req:
+    epoch: _Epoch
     positions: dict[int, list[int]]  # id -> positions it fills
     start: float
     attempt: int
@@ -94,20 +112,45 @@ class _Req:
     answered: set[int] = field(default_factory=set)
 
 
-class Link:
-    """What the engine has learned about the link (window, sample size,
-    latencies), carried from one epoch to the next so a new epoch does not
-    start its window from scratch."""
+class _Epoch:
+    """Per-epoch state: what is done, what is covered, and batch assembly."""
 
-    def __init__(self, prefetch: Prefetch, hedge: Hedge) -> None:
-        self.window = prefetch.initial_inflight
-        self.mean_bytes = float(prefetch.sample_bytes_hint)
-        self.latencies: deque[float] = deque(maxlen=hedge.history)
-        self.hedge_after = float("inf")
+    def __init__(self, plan: EpochPlan, done: Progress | None) -> None:
+        self.plan = plan
+        self.n = len(plan)
+        self.completed = done.copy() if done is not None else Progress(self.n)
+        self.cursor = 0
+        self.cover: dict[int, int] = {}  # position -> requests covering it
+        self.attempts: dict[int, int] = {}
+        self.active = 0  # requests in flight for this epoch
+        self.batch: list[tuple[int, Sample]] = []
+        self.held: dict[int, Sample | None] = {}  # in-order mode: arrived, not yet released
+        self.release = self.completed.frontier  # in-order: next position to release
+        self.done_before = set(self.completed.beyond())  # delivered before a resume
+        self.skipped: list[int] = []
+        self.skipped_count = 0
+        self.partial_bytes = 0
+        self.outbox: list[Batch] = []  # batches made while this epoch was the look-ahead
+
+    def fresh(self, k: int) -> list[int]:
+        """Up to ``k`` not-yet-sent positions, in plan order."""
+        out = []
+        cur = self.cursor
+        while cur < self.n and len(out) < k:
+            if cur not in self.completed:
+                out.append(cur)
+            cur += 1
+        self.cursor = cur
+        return out
 
 
-class EpochRun:
-    """Fetch one epoch of ``plan`` from ``source`` and ``emit`` batches."""
+class Run:
+    """Fetch this rank's epochs from ``source`` and ``emit`` batches.
+
+    Starts at ``plan`` (resuming after ``done`` positions); when
+    ``next_plan(epoch)`` is given it carries on into the following epochs,
+    one epoch of look-ahead at most, until cancelled.
+    """
 
     def __init__(
         self,
@@ -126,33 +169,25 @@ class EpochRun:
         emit: Callable[[object], None],
         done: Progress | None = None,
         link: Link | None = None,
+        next_plan: Callable[[int], EpochPlan] | None = None,
     ) -> None:
-        self.source, self.dataset, self.plan = source, dataset, plan
+        self.source, self.dataset = source, dataset
         self.batch_size, self.drop_last, self.in_order = batch_size, drop_last, in_order
         self.prefetch, self.retry, self.hedge, self.errors = prefetch, retry, hedge, errors
         self.c = counters
         self._emit = emit
-        n = len(plan)
-        self.completed = done.copy() if done is not None else Progress(n)
+        self._next_plan = next_plan
+        self.current = _Epoch(plan, done)
+        self.ahead: _Epoch | None = None
         self.request_size = prefetch.request_size or getattr(source, "preferred_request_size", 32)
         self.link = link if link is not None else Link(prefetch, hedge)
-        self._cursor = 0
-        self._retry_heap: list[tuple[float, int, list[int], int]] = []
+        self._retry_heap: list[tuple[float, int, _Epoch, list[int], int]] = []
         self._seq = itertools.count()
         self._active: set[_Req] = set()
-        self._cover: dict[int, int] = {}  # position -> requests covering it
-        self._attempts: dict[int, int] = {}
         self._reserved = 0
         self._wake: asyncio.Future | None = None
         self._rand = random.Random(plan.seed * 1000003 + plan.epoch)
-        # batch assembly
-        self._batch: list[tuple[int, Sample]] = []
-        self._held: dict[int, Sample | None] = {}  # in-order mode: arrived, not yet released
-        self._release = self.completed.frontier  # in-order: next position to release
-        self._done_before = set(self.completed.beyond())  # delivered before a resume
-        self._skipped: list[int] = []
-        self._partial_bytes = 0
-        self.skipped_count = 0
+        self._ended = False
 
     # --- called from the consumer's thread via call_soon_threadsafe ----------
     def release(self, nbytes: int) -> None:
@@ -168,10 +203,11 @@ class EpochRun:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         try:
-            while not self.completed.complete or self._active:
-                self._dispatch(loop.time())
-                if self.completed.complete and not self._active:
+            while True:
+                self._advance()
+                if self._ended:
                     break
+                self._dispatch(loop.time())
                 self._wake = loop.create_future()
                 waiters = {r.task for r in self._active}
                 waiters.add(self._wake)
@@ -181,7 +217,6 @@ class EpochRun:
                 for req in [r for r in self._active if r.task in done]:
                     self._on_done(req, now)
                 self._maybe_hedge(now)
-            self._finish()
         finally:
             for req in self._active:
                 req.task.cancel()
@@ -190,57 +225,78 @@ class EpochRun:
             self._active.clear()
             self.c.inflight = 0
 
+    def _advance(self) -> None:
+        """End every finished epoch, in order; promote the look-ahead."""
+        while self.current.completed.complete and not self._ended:
+            self._finish(self.current)
+            if self.ahead is None and self._next_plan is not None:
+                self.ahead = _Epoch(self._next_plan(self.current.plan.epoch + 1), None)
+            if self.ahead is None:
+                self._ended = True
+                return
+            self.current, self.ahead = self.ahead, None
+            for batch in self.current.outbox:
+                self._emit(batch)
+            self.current.outbox = []
+
     def _next_timer(self, now: float) -> float | None:
         t = min((r.deadline for r in self._active if not r.hedge and r.twin is None), default=float("inf"))
         if self._retry_heap:
             t = min(t, self._retry_heap[0][0])
         return None if t == float("inf") else max(0.0, t - now)
 
-    def _budget_allows(self, est: int) -> bool:
+    def _budget_allows(self, est: int, ep: _Epoch) -> bool:
         c = self.c
         if self._reserved + c.ready_bytes + est <= self.prefetch.max_bytes:
             return True
-        # progress guarantee: nothing in flight and nothing waiting for the consumer
-        return not self._active and c.ready_bytes - self._partial_bytes <= 0
+        # progress guarantee for the current epoch: with none of its requests in
+        # flight and nothing of it waiting for the consumer, one request may go
+        return ep is self.current and not ep.active and c.ready_bytes - self._ahead_bytes() - ep.partial_bytes <= 0
+
+    def _ahead_bytes(self) -> int:
+        ahead = self.ahead
+        if ahead is None:
+            return 0
+        return ahead.partial_bytes + sum(b.nbytes for b in ahead.outbox)
 
     def _dispatch(self, now: float) -> None:
-        n = len(self.plan)
-        while len([r for r in self._active if not r.hedge]) < self.link.window:
+        while sum(1 for r in self._active if not r.hedge) < self.link.window:
             if self._retry_heap and self._retry_heap[0][0] <= now:
-                positions, attempt = self._retry_heap[0][2], self._retry_heap[0][3]
-                positions = [p for p in positions if p not in self.completed and not self._cover.get(p)]
-                if not positions:
+                _, _, ep, positions, attempt = self._retry_heap[0]
+                positions = [p for p in positions if p not in ep.completed and not ep.cover.get(p)]
+                if not positions or ep not in (self.current, self.ahead):
                     heapq.heappop(self._retry_heap)
                     continue
-                if not self._budget_allows(int(len(positions) * self.link.mean_bytes)):
+                if not self._budget_allows(int(len(positions) * self.link.mean_bytes), ep):
                     return
                 heapq.heappop(self._retry_heap)
-                self._start(positions, attempt, now)
+                self._start(ep, positions, attempt, now)
                 continue
-            positions = []
-            cur = self._cursor
-            while cur < n and len(positions) < self.request_size:
-                if cur not in self.completed:
-                    positions.append(cur)
-                cur += 1
+            ep = self.current
+            if ep.cursor >= ep.n:
+                if self.ahead is None and self._next_plan is not None:
+                    self.ahead = _Epoch(self._next_plan(ep.plan.epoch + 1), None)
+                if self.ahead is None:
+                    return
+                ep = self.ahead
+            est = int(min(self.request_size, ep.n - ep.cursor) * self.link.mean_bytes)
+            if not self._budget_allows(est, ep):
+                return
+            positions = ep.fresh(self.request_size)
             if not positions:
-                self._cursor = cur
                 return
-            if not self._budget_allows(int(len(positions) * self.link.mean_bytes)):
-                return
-            self._cursor = cur
-            self._start(positions, 1, now)
+            self._start(ep, positions, 1, now)
 
-    def _start(self, positions: list[int], attempt: int, now: float, *, hedge_of: _Req | None = None) -> _Req:
+    def _start(self, ep: _Epoch, positions: list[int], attempt: int, now: float, *, hedge_of: _Req | None = None) -> _Req:
         by_id: dict[int, list[int]] = {}
-        ids = self.plan.ids
+        ids = ep.plan.ids
         for p in positions:
             by_id.setdefault(int(ids[p]), []).append(p)
-            self._cover[p] = self._cover.get(p, 0) + 1
-            self._attempts[p] = max(self._attempts.get(p, 0), attempt)
+            ep.cover[p] = ep.cover.get(p, 0) + 1
+            ep.attempts[p] = max(ep.attempts.get(p, 0), attempt)
         per_sample = int(self.link.mean_bytes)
         reserved = per_sample * len(positions)
-        req = _Req(by_id, now, attempt, reserved, per_sample, hedge=hedge_of is not None, twin=hedge_of)
+        req = _Req(ep, by_id, now, attempt, reserved, per_sample, hedge=hedge_of is not None, twin=hedge_of)
         if hedge_of is not None:
             hedge_of.twin = req
             self.c.hedges += 1
@@ -250,6 +306,7 @@ class EpochRun:
         self.c.peak_bytes = max(self.c.peak_bytes, self._reserved + self.c.ready_bytes)
         req.task = asyncio.ensure_future(self._fetch(req))
         self._active.add(req)
+        ep.active += 1
         self.c.requests += 1
         self.c.inflight = len(self._active)
         self.c.window = self.link.window
@@ -269,39 +326,45 @@ class EpochRun:
         take = min(req.reserved, req.per_sample * len(positions))
         req.reserved -= take
         self._reserved -= take
+        ep = req.epoch
         if isinstance(result, SampleNotFound):
             for p in positions:
-                if p not in self.completed:
-                    self._fail(p, result, permanent=True)
+                if p not in ep.completed:
+                    self._fail(ep, p, result)
             return
         nbytes = len(result.data)
         self.c.bytes += nbytes
         self.link.mean_bytes += (nbytes - self.link.mean_bytes) * 0.05
         first = True
         for p in positions:
-            if self.completed.add(p):
-                self._deliver(p, result, nbytes if first else 0)
+            if ep.completed.add(p):
+                self._deliver(ep, p, result, nbytes if first else 0)
                 first = False
             else:
                 self.c.duplicates += 1
         twin = req.twin
         if twin is not None and twin.task is not None and not twin.task.done():
-            if all(all(q in self.completed for q in ps) for ps in twin.positions.values()):
+            if all(all(q in ep.completed for q in ps) for ps in twin.positions.values()):
                 twin.task.cancel()
+        if ep is self.current and ep.completed.complete:
+            self._poke()  # end the epoch now, not when the last request closes
 
     def _on_done(self, req: _Req, now: float) -> None:
         self._active.discard(req)
         self._reserved -= req.reserved
+        ep = req.epoch
+        ep.active -= 1
         for ps in req.positions.values():
             for p in ps:
-                self._cover[p] -= 1
-                if not self._cover[p]:
-                    del self._cover[p]
+                ep.cover[p] -= 1
+                if not ep.cover[p]:
+                    del ep.cover[p]
         task = req.task
         exc = None if task.cancelled() else task.exception()
-        missing = [p for ps in req.positions.values() for p in ps if p not in self.completed and not self._cover.get(p)]
+        live = ep is self.current or ep is self.ahead
+        missing = [p for ps in req.positions.values() for p in ps if p not in ep.completed and not ep.cover.get(p)]
         if task.cancelled():
-            pass  # a hedge twin made it redundant
+            pass  # a hedge twin made it redundant, or the epoch was abandoned
         elif exc is None and not missing:
             self.link.latencies.append(now - req.start)
             self.c.rtt = now - req.start if self.c.rtt is None else self.c.rtt * 0.875 + (now - req.start) * 0.125
@@ -316,24 +379,24 @@ class EpochRun:
                 exc = StoreError(f"source answered {len(missing)} of the ids it was asked for with nothing")
             self.c.failures += 1
             self.link.window = max(self.prefetch.initial_inflight, self.link.window // 2)
-        if missing:
-            self._retry_later(missing, exc or StoreError("request cancelled"), now)
+        if missing and live:
+            self._retry_later(ep, missing, exc or StoreError("request cancelled"), now)
         if req.twin is not None and req.twin.twin is req:
             req.twin.twin = None
         self.c.inflight = len(self._active)
 
-    def _retry_later(self, positions: list[int], exc: BaseException, now: float) -> None:
+    def _retry_later(self, ep: _Epoch, positions: list[int], exc: BaseException, now: float) -> None:
         again = []
         for p in positions:
-            if self._attempts.get(p, 1) >= self.retry.attempts:
-                self._fail(p, exc, permanent=False)
+            if ep.attempts.get(p, 1) >= self.retry.attempts:
+                self._fail(ep, p, exc)
             else:
                 again.append(p)
         if again:
-            attempt = max(self._attempts[p] for p in again) + 1
+            attempt = max(ep.attempts[p] for p in again) + 1
             self.c.retries += len(again)
             when = now + self.retry.delay(attempt, self._rand.random())
-            heapq.heappush(self._retry_heap, (when, next(self._seq), again, attempt))
+            heapq.heappush(self._retry_heap, (when, next(self._seq), ep, again, attempt))
 
     def _maybe_hedge(self, now: float) -> None:
         if not self.hedge.enabled:
@@ -343,49 +406,50 @@ class EpochRun:
         for req in sorted((r for r in self._active if not r.hedge and r.twin is None), key=lambda r: r.deadline):
             if req.deadline > now or hedges >= budget:
                 break
-            rest = [p for ps in req.positions.values() for p in ps if p not in self.completed]
+            ep = req.epoch
+            rest = [p for ps in req.positions.values() for p in ps if p not in ep.completed]
             req.deadline = float("inf")
-            if rest and self._budget_allows(int(len(rest) * self.link.mean_bytes)):
-                self._start(rest, req.attempt, now, hedge_of=req)
+            if rest and self._budget_allows(int(len(rest) * self.link.mean_bytes), ep):
+                self._start(ep, rest, req.attempt, now, hedge_of=req)
                 hedges += 1
 
-    def _fail(self, pos: int, exc: BaseException, *, permanent: bool) -> None:
-        attempts = self._attempts.get(pos, 1)
-        sid = int(self.plan.ids[pos])
+    def _fail(self, ep: _Epoch, pos: int, exc: BaseException) -> None:
+        attempts = ep.attempts.get(pos, 1)
+        sid = int(ep.plan.ids[pos])
         err = SampleFailed(self.dataset, sid, attempts, exc)
-        if self.errors.on_error == "raise" or self.skipped_count >= self.errors.max_skipped:
+        if self.errors.on_error == "raise" or ep.skipped_count >= self.errors.max_skipped:
             raise err from exc
-        self.completed.add(pos)
-        self.skipped_count += 1
+        ep.completed.add(pos)
+        ep.skipped_count += 1
         self.c.skipped += 1
-        self._deliver(pos, None, 0)
+        self._deliver(ep, pos, None, 0)
 
     # --- batch assembly --------------------------------------------------------
-    def _deliver(self, pos: int, sample: Sample | None, nbytes: int) -> None:
+    def _deliver(self, ep: _Epoch, pos: int, sample: Sample | None, nbytes: int) -> None:
         self.c.ready_bytes += nbytes
-        self._partial_bytes += nbytes
+        ep.partial_bytes += nbytes
         self.c.peak_bytes = max(self.c.peak_bytes, self._reserved + self.c.ready_bytes)
         if not self.in_order:
-            self._take(pos, sample)
+            self._take(ep, pos, sample)
             return
-        self._held[pos] = sample
+        ep.held[pos] = sample
         while True:
-            if self._release in self._held:
-                self._take(self._release, self._held.pop(self._release))
-            elif self._release not in self._done_before:
+            if ep.release in ep.held:
+                self._take(ep, ep.release, ep.held.pop(ep.release))
+            elif ep.release not in ep.done_before:
                 break
-            self._release += 1
+            ep.release += 1
 
-    def _take(self, pos: int, sample: Sample | None) -> None:
+    def _take(self, ep: _Epoch, pos: int, sample: Sample | None) -> None:
         if sample is None:
-            self._skipped.append(pos)
+            ep.skipped.append(pos)
             return
-        self._batch.append((pos, sample))
-        if len(self._batch) >= self.batch_size:
-            self._flush()
+        ep.batch.append((pos, sample))
+        if len(ep.batch) >= self.batch_size:
+            self._flush(ep)
 
-    def _flush(self) -> None:
-        items, self._batch = self._batch, []
+    def _flush(self, ep: _Epoch) -> None:
+        items, ep.batch = ep.batch, []
         nbytes = sum(len(s.data) for _, s in items)
         targets = [s.target for _, s in items]
         batch = Batch(
@@ -393,27 +457,30 @@ class EpochRun:
             labels=np.fromiter((s.label for _, s in items), np.int32, len(items)),
             data=[np.frombuffer(s.data, np.uint8) for _, s in items],
             targets=targets if any(t is not None for t in targets) else None,
-            epoch=self.plan.epoch,
+            epoch=ep.plan.epoch,
             positions=np.fromiter((p for p, _ in items), np.int64, len(items)),
             nbytes=nbytes,
-            skipped=tuple(self._skipped),
+            skipped=tuple(ep.skipped),
         )
-        self._skipped = []
-        self._partial_bytes -= nbytes
+        ep.skipped = []
+        ep.partial_bytes -= nbytes
         self.c.samples += len(items)
         self.c.batches += 1
-        self._emit(batch)
+        if ep is self.current:
+            self._emit(batch)
+        else:
+            ep.outbox.append(batch)
 
-    def _finish(self) -> None:
+    def _finish(self, ep: _Epoch) -> None:
         dropped: list[int] = []
-        if self._batch:
+        if ep.batch:
             if self.drop_last:
-                dropped = [p for p, _ in self._batch]
-                nbytes = sum(len(s.data) for _, s in self._batch)
+                dropped = [p for p, _ in ep.batch]
+                nbytes = sum(len(s.data) for _, s in ep.batch)
                 self.c.ready_bytes -= nbytes
-                self._partial_bytes -= nbytes
-                self._batch = []
+                ep.partial_bytes -= nbytes
+                ep.batch = []
             else:
-                self._flush()
-        self._emit(EndOfEpoch(self.plan.epoch, tuple(self._skipped) + tuple(dropped)))
-        self._skipped = []
+                self._flush(ep)
+        self._emit(EndOfEpoch(ep.plan.epoch, tuple(ep.skipped) + tuple(dropped)))
+        ep.skipped = []

@@ -8,6 +8,8 @@ Epochs: iterating runs the current epoch (``loader.epoch``) to its end, then
 the epoch counter advances. Breaking out and iterating again continues the
 same epoch where the consumer left off; every sample of an epoch is handed
 out exactly once either way. ``set_epoch(e)`` starts epoch ``e`` afresh.
+The engine prefetches the next epoch while the current one finishes, so the
+link does not drain at epoch boundaries.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Literal
 from dataferry.schema import ALL_SPLIT, IdList, SampleSource
 from dataferry.schema._errors import ConfigError, DataferryError
 
-from ._engine import Batch, EndOfEpoch, EpochRun, Link
+from ._engine import Batch, EndOfEpoch, Link, Run
 from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
 from ._plan import EpochPlan, make_plan, split_digest
 from ._progress import Progress
@@ -155,7 +157,7 @@ class Loader:
         self._gen = 0  # generation of the running epoch; stale queue items are dropped
         self._plan: EpochPlan | None = None
         self._delivered: Progress | None = None
-        self._run: EpochRun | None = None
+        self._run: Run | None = None
         self._closed = False
         self._lt = _LoopThread()
         self._state: dict = {}
@@ -209,12 +211,17 @@ class Loader:
         def emit(item, gen=gen):
             q.put((gen, item))
 
+        idlist, options, digest = self._idlist(), self.plan_options, plan.source_digest
+
+        def next_plan(epoch: int) -> EpochPlan:
+            return make_plan(idlist, epoch, options, digest=digest)
+
         self._counters.ready_bytes = 0
-        run = EpochRun(
+        run = Run(
             self._source, self.dataset, plan,
             batch_size=self.batch_size, drop_last=self.drop_last, in_order=self.order == "input",
             prefetch=self.prefetch, retry=self.retry, hedge=self.hedge, errors=self.errors,
-            counters=self._counters, emit=emit, done=self._delivered, link=self._link,
+            counters=self._counters, emit=emit, done=self._delivered, link=self._link, next_plan=next_plan,
         )
         self._run = run
 
@@ -231,7 +238,8 @@ class Loader:
 
     # --- iteration -----------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
-        self._start_run()
+        if self._run is None:
+            self._start_run()
         return self
 
     def __next__(self) -> Batch:
@@ -273,13 +281,14 @@ class Loader:
             for p in item.skipped:
                 delivered.add(p)
             return item
-        self._stop_run()
         if isinstance(item, EndOfEpoch):
+            # the run goes on into the next epoch, already prefetched
             for p in item.skipped:
                 delivered.add(p)
             self.epoch += 1
-            self._delivered = None
+            self._delivered = Progress(len(self._plan_for(self.epoch)))
             raise StopIteration
+        self._stop_run()
         raise item.exc
 
     # --- resume ------------------------------------------------------------------------

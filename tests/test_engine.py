@@ -317,3 +317,27 @@ def test_resume_after_a_real_kill_mid_epoch(tmp_path):
     with open(ckpt) as f:
         final = json.load(f)["consumed"]
     assert Counter(final) == Counter(range(3000))  # every sample once: none lost, none repeated
+
+
+def test_next_epoch_is_prefetched_and_batches_never_mix_epochs():
+    src = MemorySource.synthetic("d", 200, size=64, latency=0.03)
+    with Loader(src, "d", batch_size=16, prefetch=Prefetch(request_size=10)) as loader:
+        for epoch in range(3):
+            got = []
+            for batch in loader:
+                assert batch.epoch == epoch == loader.epoch
+                got += batch.ids.tolist()
+            assert sorted(got) == list(range(200))
+            if epoch == 0:
+                # epoch 0 needs 20 requests; more went out before it ended: the look-ahead
+                assert src.requests > 20
+        assert loader.epoch == 3
+
+
+def test_in_order_holds_across_prefetched_epochs():
+    src = JitterSource("d", synthetic(300).samples.values(), hi=0.01, seed=2)
+    plan = PlanOptions(seed=4)
+    idl = IdList(np.arange(300), np.arange(300) % 10)
+    with Loader(src, "d", batch_size=32, order="input", plan=plan) as loader:
+        for epoch in range(2):
+            assert drain(loader) == make_plan(idl, epoch, plan).ids.tolist()
