@@ -1,0 +1,339 @@
+"""NVIDIA DALI fed by the Loader: JPEG decode on the GPU (``mixed``) or the CPU.
+
+::
+
+    Loader.get() ─► _Feeder (your thread, inside pipeline.run()) ──────────────┐
+                      headers, crop windows, flips (numpy)                     │ in flight:
+                      │ external_source, batch mode, no_copy                   │ fed, not
+                      ▼                                                        │ yet out
+    DALI:  decoders.image_slice(window) ─► resize ─► crop_mirror_normalize     │
+           (mixed: nvJPEG on device_id; cpu: libjpeg-turbo)   (NCHW float32)   │
+           masks: decoders.image_slice (cpu, GRAY) ─► resize NN ─► flip ─► .gpu()
+                      │                                                        │
+                      ▼                                                        ▼
+    DaliIterator.__next__ ─► ImageBatch (torch tensors) ◄── ids, labels, multilabel
+
+**Batches.** The external source runs in batch mode: each call returns the
+loader's next batch, whatever its length, so the loader's partial last batch
+passes through as a short DALI batch (DALI allows any batch up to the
+pipeline's ``batch_size``): nothing is padded, dropped or repeated. When the
+loader's epoch ends, the source raises StopIteration; the iterator drains
+what DALI still holds, raises StopIteration, and resets the pipeline for
+the next epoch.
+
+**Zero copy.** The encoded bytes (and mask PNGs, crop windows and flips) go
+to DALI with ``no_copy=True``. DALI's contract: a buffer must stay alive and
+unchanged until the iteration that consumed it has been output (up to
+``prefetch_queue_depth`` runs after it was fed). The loader's arrays are views
+over immutable ``bytes`` the engine never reuses, and the iterator keeps every
+fed batch in its in-flight queue until ``pipeline.run()`` has returned that
+batch's outputs: that is the lifetime DALI needs, whatever the queue depth.
+Those batches are out of the loader's byte budget (it counts a batch as
+released once handed out), so memory holds up to ``Prefetch.max_bytes`` plus
+``prefetch + 1`` batches of encoded bytes.
+
+**Outputs** reach torch through DLPack without a copy: the pipeline runs
+DALI's dynamic executor (``exec_dynamic=True``), whose outputs are
+reference-counted and never overwritten by later iterations.
+
+**Metadata.** ids, labels and multilabel vectors never enter DALI; they wait
+in the in-flight queue, which DALI's strict FIFO order keeps matched with the
+outputs (the batch lengths are checked).
+
+**Devices.** ``DaliOptions(device=None)`` picks ``"gpu"`` when DALI sees a
+CUDA device and torch has CUDA, else ``"cpu"``. On several GPUs each rank's
+iterator uses its own ``device_id`` (default: ``torch.cuda.current_device()``,
+which a DDP script sets per rank) and its loader reads its own shard
+(``PlanOptions(rank, world_size)``). DALI is imported when an iterator is
+made, with a clear error if it is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from dataferry.schema._errors import ConfigError, DataferryError
+
+from ._transforms import EvalTransform, TargetKind, Transform, TrainTransform, check_targets
+from ._torch import ImageBatch, Prepared, import_torch, prepare, state_without, to_batch
+
+__all__ = ["DaliOptions", "DaliIterator", "dali_gpu_count", "import_dali", "build_pipeline"]
+
+DALI_PIP = "pip install nvidia-dali-cuda130==2.4.0 (or the nvidia-dali wheel for your CUDA)"
+
+
+def import_dali():
+    try:
+        import nvidia.dali as dali
+        import nvidia.dali.fn  # noqa: F401
+        import nvidia.dali.types  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"this needs NVIDIA DALI: {DALI_PIP}") from exc
+    return dali
+
+
+def dali_gpu_count() -> int:
+    """CUDA devices DALI can use (0 without a driver, or without DALI)."""
+    try:
+        from nvidia.dali import backend
+    except ImportError:
+        return 0
+    try:
+        return int(backend.GetCUDADeviceCount())
+    except Exception:  # noqa: BLE001 - no driver, broken driver: no GPU for us
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
+class DaliOptions:
+    """Where and how the DALI pipeline runs.
+
+    ``device``: ``"gpu"`` (nvJPEG via the ``mixed`` decoder, transforms on the
+    GPU), ``"cpu"`` (libjpeg-turbo and CPU operators), or None for the GPU
+    when there is one. ``device_id``: the GPU (default
+    ``torch.cuda.current_device()``). ``num_threads``: DALI's CPU threads
+    (default ``min(8, cpu_count)``). ``prefetch``: DALI's
+    ``prefetch_queue_depth``, batches processed ahead of the consumer.
+    ``hw_decoder_load``: share of JPEGs for the hardware decoder (A100/H100).
+    """
+
+    device: Literal["cpu", "gpu"] | None = None
+    device_id: int | None = None
+    num_threads: int | None = None
+    prefetch: int = 2
+    hw_decoder_load: float = 0.65
+
+    def __post_init__(self) -> None:
+        if self.device not in (None, "cpu", "gpu"):
+            raise ConfigError(f"device must be None, 'cpu' or 'gpu', not {self.device!r}")
+        if self.device_id is not None and self.device_id < 0:
+            raise ConfigError(f"device_id must be >= 0, not {self.device_id}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads must be >= 1, not {self.num_threads}")
+        if self.prefetch < 1:
+            raise ConfigError(f"prefetch must be >= 1, not {self.prefetch}")
+        if not 0 <= self.hw_decoder_load <= 1:
+            raise ConfigError(f"hw_decoder_load must be in [0, 1], not {self.hw_decoder_load}")
+
+    def resolve(self, torch) -> tuple[str, int | None]:
+        """``(device, device_id)`` this process will use."""
+        cuda = torch is not None and torch.cuda.is_available()
+        device = self.device
+        if device is None:
+            device = "gpu" if dali_gpu_count() > 0 and cuda else "cpu"
+        if device == "cpu":
+            return "cpu", None
+        if dali_gpu_count() == 0:
+            raise ConfigError("device='gpu' but DALI sees no CUDA device (no GPU, or no driver)")
+        if not cuda:
+            raise ConfigError("device='gpu' but torch has no CUDA: install a CUDA build of torch")
+        device_id = torch.cuda.current_device() if self.device_id is None else self.device_id
+        if device_id >= dali_gpu_count():
+            raise ConfigError(f"device_id {device_id} out of range: {dali_gpu_count()} GPU(s) visible")
+        return "gpu", device_id
+
+
+def build_pipeline(source, transform: Transform, *, targets: TargetKind, batch_size: int, device: str,
+                   device_id: int | None, options: DaliOptions):
+    """The DALI pipeline (not built). ``source()`` returns one batch as
+    :func:`feed_arrays` makes it and raises StopIteration at the end of an
+    epoch. Outputs: images[, masks]."""
+    dali = import_dali()
+    fn, types = dali.fn, dali.types
+    crop, mask = transform is not None, targets == "mask"
+    dtypes = [types.UINT8] + ([types.FLOAT, types.FLOAT, types.INT32] if crop else []) + ([types.UINT8] if mask else [])
+    ndims = [1] + ([1, 1, 0] if crop else []) + ([1] if mask else [])
+    threads = options.num_threads or min(8, os.cpu_count() or 1)
+
+    @dali.pipeline_def(batch_size=batch_size, num_threads=threads, device_id=device_id,
+                       prefetch_queue_depth=options.prefetch, exec_dynamic=True)
+    def pipe():
+        inputs = fn.external_source(source=source, num_outputs=len(dtypes), batch=True, no_copy=True,
+                                    dtype=dtypes, ndim=ndims)
+        jpegs = inputs[0]
+        dec = {"device": "mixed" if device == "gpu" else "cpu", "output_type": types.RGB, "adjust_orientation": False}
+        if device == "gpu":
+            dec["hw_decoder_load"] = options.hw_decoder_load
+        mdec = {"device": "cpu", "output_type": types.GRAY, "adjust_orientation": False}
+        if not crop:
+            images = fn.decoders.image(jpegs, **dec)
+            masks = fn.decoders.image(inputs[1], **mdec) if mask else None
+        else:
+            anchors, shapes, flips = inputs[1:4]
+            s = transform.size
+            slice_args = {"normalized_anchor": False, "normalized_shape": False, "axis_names": "WH"}
+            images = fn.decoders.image_slice(jpegs, anchors, shapes, **dec, **slice_args)
+            images = fn.resize(images, size=(s, s), interp_type=types.INTERP_LINEAR, antialias=True)
+            images = fn.crop_mirror_normalize(
+                images, mirror=flips, dtype=types.FLOAT, output_layout="CHW",
+                mean=[255 * m for m in transform.mean], std=[255 * v for v in transform.std])
+            masks = None
+            if mask:
+                masks = fn.decoders.image_slice(inputs[4], anchors, shapes, **mdec, **slice_args)
+                masks = fn.resize(masks, size=(s, s), interp_type=types.INTERP_NN, antialias=False)
+                masks = fn.flip(masks, horizontal=flips)
+        if masks is None:
+            return images
+        return images, (masks.gpu() if device == "gpu" else masks)
+
+    return pipe()
+
+
+def feed_arrays(prep: Prepared, targets: TargetKind) -> tuple:
+    """The external source's arrays for one prepared batch: the encoded
+    images, then (with a transform) crop anchors, crop shapes and flips, then
+    (with masks) the mask PNGs."""
+    b = prep.batch
+    arrays: tuple = (b.data,)
+    if prep.windows is not None:
+        arrays += (np.ascontiguousarray(prep.windows[:, :2], np.float32),
+                   np.ascontiguousarray(prep.windows[:, 2:], np.float32),
+                   prep.flips.astype(np.int32))
+    if targets == "mask":
+        arrays += ([np.frombuffer(t, np.uint8) for t in b.targets],)
+    return arrays
+
+
+class _Feeder:
+    """The external source: the loader's next batch, remembered until its outputs come back.
+
+    Separate from the iterator so the pipeline (which holds this callable)
+    does not keep the iterator alive.
+    """
+
+    def __init__(self, loader, transform: Transform, targets: TargetKind, seed: int) -> None:
+        self.loader, self.transform, self.targets, self.seed = loader, transform, targets, seed
+        self.inflight: deque[tuple[Prepared, tuple]] = deque()
+
+    def __call__(self):
+        batch = self.loader.get()  # StopIteration at the end of the epoch: DALI ends its epoch
+        prep = prepare(batch, self.transform, self.targets, self.loader.dataset, self.seed)
+        arrays = feed_arrays(prep, self.targets)
+        self.inflight.append((prep, arrays))  # keeps the no_copy buffers alive
+        return arrays
+
+
+class DaliIterator:
+    """Batches of ``loader`` decoded and transformed by DALI, as :class:`ImageBatch`.
+
+    ``transform``: :class:`TrainTransform`, :class:`EvalTransform` or None
+    (decode only: a list of uint8 HWC tensors). ``targets``: ``"none"``,
+    ``"mask"`` or ``"multilabel"``. ``options``: :class:`DaliOptions`.
+    ``seed`` (default: the loader's plan seed) keys the crops and flips, which
+    are the same as :class:`TorchIterator`'s for the same seed.
+
+    ``for batch in it`` runs one epoch of the loader; the last batch is as
+    short as the loader's. ``pipeline`` is the built DALI pipeline. The
+    iterator does not own the loader: close both.
+    """
+
+    def __init__(
+        self,
+        loader,
+        transform: Transform = EvalTransform(),
+        *,
+        targets: TargetKind = "none",
+        options: DaliOptions = DaliOptions(),
+        seed: int | None = None,
+    ) -> None:
+        import_dali()
+        torch = import_torch()
+        from ._torch import _register_dataset
+
+        _register_dataset(torch)
+        check_targets(targets)
+        if transform is not None and not isinstance(transform, (TrainTransform, EvalTransform)):
+            raise ConfigError(f"transform must be a TrainTransform, an EvalTransform or None, not {transform!r}")
+        self.loader, self.transform, self.targets, self.options = loader, transform, targets, options
+        self.device, self.device_id = options.resolve(torch)
+        self._torch = torch
+        self._feeder = _Feeder(loader, transform, targets, loader.plan_options.seed if seed is None else seed)
+        pipe = build_pipeline(self._feeder, transform, targets=targets, batch_size=loader.batch_size,
+                              device=self.device, device_id=self.device_id, options=options)
+        pipe.build()
+        self._state = {"pipeline": pipe}
+        self._finalizer = weakref.finalize(self, self._state.clear)
+
+    @property
+    def pipeline(self):
+        """The built DALI pipeline (None once closed)."""
+        return self._state.get("pipeline")
+
+    @property
+    def torch_device(self):
+        return self._torch.device("cuda", self.device_id) if self.device == "gpu" else self._torch.device("cpu")
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> DaliIterator:
+        return self
+
+    def __next__(self) -> ImageBatch:
+        pipe = self._state.get("pipeline")
+        if pipe is None:
+            raise DataferryError("iterator is closed")
+        try:
+            outs = pipe.run()
+        except StopIteration:
+            if self._feeder.inflight:
+                raise DataferryError(f"DALI ended the epoch with {len(self._feeder.inflight)} batch(es) fed "
+                                     "and not returned") from None
+            pipe.reset()
+            raise
+        except RuntimeError as exc:  # DALI's own errors (a corrupt image, a device error)
+            ids = [int(i) for p, _ in self._feeder.inflight for i in p.batch.ids[:4]]
+            raise DataferryError(f"DALI failed on a batch of dataset {self.loader.dataset!r} "
+                                 f"(in flight, first ids {ids}): {exc}") from exc
+        prep, _arrays = self._feeder.inflight.popleft()  # outputs are out: the no_copy buffers may go
+        images, masks = (outs[0], outs[1]) if len(outs) > 1 else (outs[0], None)
+        if len(images) != len(prep.batch):
+            raise DataferryError(f"DALI returned {len(images)} samples for a batch of {len(prep.batch)}")
+        if self.transform is None:
+            images = self._samples(images)
+            masks = None if masks is None else [m.squeeze(-1) for m in self._samples(masks)]
+        else:
+            images = self._tensor(images)
+            masks = None if masks is None else self._tensor(masks).squeeze(-1)
+        return to_batch(self._torch, prep, images, masks)
+
+    def _tensor(self, tl):
+        """A uniform DALI TensorList as one torch tensor, zero-copy (DLPack).
+
+        Safe because the pipeline runs DALI's default (dynamic) executor,
+        whose outputs are reference-counted and never overwritten; for GPU
+        outputs DALI makes torch's current stream wait for them."""
+        return self._torch.from_dlpack(tl.as_tensor())
+
+    def _samples(self, tl) -> list:
+        """A ragged DALI TensorList as a list of torch tensors (zero-copy)."""
+        return [self._torch.from_dlpack(tl[i]) for i in range(len(tl))]
+
+    # --- resume and lifetime ------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The loader's state, less the batches fed to DALI and not yet returned."""
+        return state_without(self.loader.state_dict(), [p.batch for p, _ in self._feeder.inflight])
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`; only with nothing in flight (before
+        iterating, or at the end of an epoch)."""
+        if self._feeder.inflight:
+            raise DataferryError("load_state_dict with batches in DALI: call it before iterating")
+        self.loader.load_state_dict(state)
+
+    def close(self) -> None:
+        """Drop the pipeline (not the loader). Idempotent."""
+        self._feeder.inflight.clear()
+        self._finalizer()
+
+    def __enter__(self) -> DaliIterator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
