@@ -27,7 +27,9 @@ unchanged until the iteration that consumed it has been output (up to
 ``prefetch_queue_depth`` runs after it was fed). The loader's arrays are views
 over immutable ``bytes`` the engine never reuses, and the iterator keeps every
 fed batch in its in-flight queue until ``pipeline.run()`` has returned that
-batch's outputs: that is the lifetime DALI needs, whatever the queue depth.
+batch's outputs: that is the lifetime DALI needs, whatever the queue depth
+(DALI 2.4 happens to hold a reference of its own while a batch is queued;
+its documented contract leaves the lifetime to us, so we do not rely on it).
 Those batches are out of the loader's byte budget (it counts a batch as
 released once handed out), so memory holds up to ``Prefetch.max_bytes`` plus
 ``prefetch + 1`` batches of encoded bytes.
