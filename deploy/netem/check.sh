@@ -4,6 +4,7 @@
 #
 #   deploy/netem/check.sh
 set -euo pipefail
+# shellcheck source=SCRIPTDIR/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 case ${1-} in

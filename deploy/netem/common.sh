@@ -84,10 +84,10 @@ parse_shape_option() {
     --delay | --jitter | --loss | --rate)
       [[ $# -ge 2 ]] || die "$EXIT_USAGE" "$1 needs a value"
       case $1 in
-        --delay) delay=$2 ;;
-        --jitter) jitter=$2 ;;
-        --loss) loss=$2 ;;
-        --rate) rate=$2 ;;
+        --delay) duration_us "$2" >/dev/null && delay=$2 ;;
+        --jitter) duration_us "$2" >/dev/null && jitter=$2 ;;
+        --loss) loss_percent "$2" >/dev/null && loss=$2 ;;
+        --rate) rate_bytes "$2" >/dev/null && rate=$2 ;;
       esac
       shift_by=2
       ;;

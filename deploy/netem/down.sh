@@ -5,6 +5,7 @@
 #
 #   deploy/netem/down.sh [--prefix df]
 set -euo pipefail
+# shellcheck source=SCRIPTDIR/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 while [[ $# -gt 0 ]]; do
@@ -14,8 +15,8 @@ while [[ $# -gt 0 ]]; do
     *) die "$EXIT_USAGE" "unknown option '$1' (see --help)" ;;
   esac
 done
-need_tools
 derive_names
+need_tools
 
 # PIDs of processes in namespace $1, one per line (none: nothing)
 ns_pids() { ip netns pids "$1" 2>/dev/null || true; }

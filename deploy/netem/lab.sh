@@ -11,6 +11,7 @@
 #   deploy/netem/lab.sh --delay 50ms --server 'dataferry serve --store sqlite:data.db --host $SRV_IP --port 8470' \
 #       --ready 8470 -- curl -s http://10.77.0.1:8470/readyz
 set -euo pipefail
+# shellcheck source=SCRIPTDIR/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 up_args=()
@@ -37,8 +38,8 @@ done
 [[ $# -gt 0 ]] || die "$EXIT_USAGE" "no client command: put it after --"
 [[ -z $ready || $ready =~ ^[0-9]+$ ]] || die "$EXIT_USAGE" "--ready is a port number, got '$ready'"
 [[ $ready_timeout =~ ^[0-9]+$ ]] || die "$EXIT_USAGE" "--ready-timeout is whole seconds, got '$ready_timeout'"
-need_tools
 derive_names
+need_tools
 export SRV_IP=$srv_ip CLI_IP=$cli_ip
 
 server_pid=
@@ -47,10 +48,19 @@ teardown() {
   local status=$?
   trap - EXIT INT TERM
   if [[ -n $server_pid ]]; then
-    kill -TERM -- "-$server_pid" 2>/dev/null || true
+    # the group, and the process itself in case it has not reached setsid yet
+    kill -TERM -- "-$server_pid" "$server_pid" 2>/dev/null || true
+  fi
+  # down.sh also stops whatever is still running in the namespaces
+  "$DF_NETEM_DIR/down.sh" --prefix "$prefix" || status=1
+  if [[ -n $server_pid ]]; then
+    for _ in $(seq 50); do
+      kill -0 "$server_pid" 2>/dev/null || break
+      sleep 0.1
+    done
+    kill -KILL -- "-$server_pid" "$server_pid" 2>/dev/null || true
     wait "$server_pid" 2>/dev/null || true
   fi
-  "$DF_NETEM_DIR/down.sh" --prefix "$prefix" || status=1
   exit "$status"
 }
 trap teardown EXIT

@@ -8,6 +8,7 @@
 # proxy when the kernel lacks it). A rate alone uses tbf, which works without
 # netem. No options: back to the default qdisc (no shaping).
 set -euo pipefail
+# shellcheck source=SCRIPTDIR/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 while [[ $# -gt 0 ]]; do
@@ -21,8 +22,8 @@ while [[ $# -gt 0 ]]; do
     *) die "$EXIT_USAGE" "unknown option '$1' (see --help)" ;;
   esac
 done
-need_tools
 derive_names
+need_tools
 if ! ns_exists "$srv_ns" || ! ns_exists "$cli_ns"; then
   die 1 "no topology '$prefix': run up.sh --prefix $prefix first"
 fi

@@ -7,6 +7,7 @@
 # Nothing is made outside the two namespaces. On any failure what was made is
 # torn down again; down.sh --prefix P removes it all later.
 set -euo pipefail
+# shellcheck source=SCRIPTDIR/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 shape=()
@@ -23,8 +24,8 @@ while [[ $# -gt 0 ]]; do
     *) die "$EXIT_USAGE" "unknown option '$1' (see --help)" ;;
   esac
 done
-need_tools
 derive_names
+need_tools
 for ns in "$srv_ns" "$cli_ns"; do
   ! ns_exists "$ns" || die 1 "namespace '$ns' exists already: run down.sh --prefix $prefix first"
 done
