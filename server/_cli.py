@@ -27,7 +27,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", default=DEFAULT_STORE_URL, metavar="URL", help="store URL (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8470, help="port; 0 picks a free one (default: %(default)s)")
-    parser.add_argument("--token-file", metavar="F", help="require 'Authorization: Bearer <token in F>' on /v1 and /metrics")
+    parser.add_argument("--token-file", metavar="F", help="require 'Authorization: Bearer <token>' on /v1 and /metrics; F holds one token per line, all accepted (rotations)")
     parser.add_argument("--open-metrics", action="store_true", help="serve /metrics without the token")
     parser.add_argument("--tls-cert", metavar="C", help="PEM certificate chain: serve HTTPS (needs --tls-key)")
     parser.add_argument("--tls-key", metavar="K", help="PEM private key of --tls-cert")

@@ -85,9 +85,9 @@ def _error_name(resp: web.Response) -> str:
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     options = request.app[OPTIONS]
-    token = options.token
+    tokens = options.tokens
     path = request.path
-    if token is None or path in _OPEN or (path == "/metrics" and not options.metrics_auth):
+    if not tokens or path in _OPEN or (path == "/metrics" and not options.metrics_auth):
         return await handler(request)
     values = request.headers.getall(hdrs.AUTHORIZATION, [])
     if len(values) != 1:
@@ -97,7 +97,8 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     if scheme.lower() != "bearer" or not credentials.strip():
         raise _unauthorized("missing_token", f"use the Bearer scheme: Authorization: Bearer <token>, not {scheme[:20]!r}")
     given = credentials.strip().encode("utf-8", "surrogateescape")
-    if not hmac.compare_digest(given, token.encode()):
+    # every token is compared (no early exit), each in constant time
+    if sum(hmac.compare_digest(given, t.encode()) for t in tokens) == 0:
         raise _unauthorized("invalid_token", "the bearer token was refused", invalid=True)
     return await handler(request)
 

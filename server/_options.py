@@ -25,8 +25,10 @@ class ServerOptions:
     client that stopped reading; the connection is then dropped.
     """
 
-    #: bearer token required on /v1/... (and /metrics when metrics_auth); None: no auth
-    token: str | None = field(default=None, repr=False)
+    #: bearer token required on /v1/... (and /metrics when metrics_auth); None: no
+    #: auth. Several tokens (a tuple) are all accepted: that is how a rotation
+    #: goes without a failed request (old + new, then new alone).
+    token: str | tuple[str, ...] | None = field(default=None, repr=False)
     #: whether /metrics needs the token too (healthz and readyz never do)
     metrics_auth: bool = True
     #: ids per batch fetch request
@@ -49,12 +51,23 @@ class ServerOptions:
     #: seconds in-flight responses get to finish on SIGTERM
     shutdown_grace: float = 10.0
 
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        """Every accepted token (empty: no auth)."""
+        if self.token is None:
+            return ()
+        return (self.token,) if isinstance(self.token, str) else self.token
+
     def __post_init__(self) -> None:
         if self.token is not None:
-            _check(
-                bool(self.token) and self.token.isascii() and self.token.isprintable() and " " not in self.token,
-                "token must be non-empty printable ASCII without spaces",
-            )
+            tokens = (self.token,) if isinstance(self.token, str) else tuple(self.token)
+            _check(bool(tokens), "token must not be an empty list")
+            for t in tokens:
+                _check(
+                    isinstance(t, str) and bool(t) and t.isascii() and t.isprintable() and " " not in t,
+                    "token must be non-empty printable ASCII without spaces",
+                )
+            object.__setattr__(self, "token", tokens[0] if len(tokens) == 1 else tokens)
         _check(self.max_ids >= 1, f"max_ids must be >= 1, not {self.max_ids}")
         _check(self.max_body_bytes >= 8 * self.max_ids, "max_body_bytes must hold max_ids binary ids (8 bytes each)")
         _check(self.max_concurrent >= 1, f"max_concurrent must be >= 1, not {self.max_concurrent}")
@@ -65,14 +78,16 @@ class ServerOptions:
         _check(self.buffer_bytes >= self.write_chunk, "buffer_bytes must be >= write_chunk")
 
 
-def read_token_file(path: str) -> str:
-    """The token in ``path`` (surrounding whitespace removed). ConfigError names
-    the file, never its contents."""
+def read_token_file(path: str) -> str | tuple[str, ...]:
+    """The token in ``path``, or the tokens: one per line, blank lines and
+    ``#`` comments ignored; several lines are all accepted (for rotations).
+    ConfigError names the file, never its contents."""
     try:
         with open(path, encoding="utf-8") as fh:
-            token = fh.read().strip()
+            lines = [line.strip() for line in fh]
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read token file {path!r}: {exc}") from exc
-    if not token:
+    tokens = tuple(t for t in lines if t and not t.startswith("#"))
+    if not tokens:
         raise ConfigError(f"token file {path!r} is empty")
-    return token
+    return tokens[0] if len(tokens) == 1 else tokens

@@ -304,6 +304,33 @@ def test_outbox_coalesces_ready_records_and_bounds_bytes():
 
 
 # --- auth -------------------------------------------------------------------------------------------
+def test_token_rotation_accepts_every_token_in_the_file(tmp_path):
+    from dataferry.server._options import read_token_file
+
+    token_file = tmp_path / "tokens"
+    token_file.write_text("# rotating: old, then new\nold-token\n\nnew-token\n")
+    tokens = read_token_file(str(token_file))
+    assert tokens == ("old-token", "new-token")
+    options = ServerOptions(token=tokens)
+    assert options.tokens == ("old-token", "new-token") and "token" not in repr(options).lower().replace("tokens", "")
+
+    async def go():
+        async with await open_store(f"sqlite://{tmp_path / 's.db'}") as store:
+            await seed(store, "d", make_samples(3))
+            async with serve(make_app(store, options)) as base:
+                for token in tokens:
+                    async with await HttpSource.open(base, token=token) as src:
+                        assert len(await src.read_split("d", "all")) == 3
+                async with await HttpSource.open(base, token="older-token") as src:
+                    with pytest.raises(TokenRefused):
+                        await src.list_datasets()
+
+    run(go())
+    with pytest.raises(Exception, match="empty"):
+        (tmp_path / "blank").write_text("# nothing\n\n")
+        read_token_file(str(tmp_path / "blank"))
+
+
 def test_token_auth(tmp_path):
     async def go():
         async with await open_store(f"sqlite://{tmp_path / 's.db'}") as store:
