@@ -8,19 +8,21 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Measurement", "measure_loader", "prepared_store", "median_of", "table", "cpu_seconds"]
+__all__ = ["Measurement", "measure_loader", "prepared_store", "median_of", "table", "cpu_seconds", "announced",
+           "data_server", "all_ids"]
 
 
 @dataclass(frozen=True, slots=True)
 class Measurement:
-    samples: int
+    samples: int  # after the first batch
     bytes: int
     seconds: float  # steady state: from the first batch to the last
     first_batch: float  # seconds from start to the first batch
-    cpu: float  # process CPU seconds over the whole run
+    cpu: float  # client CPU seconds over the whole run, reaped child processes (DataLoader workers) included
+    first_samples: int = 0  # samples in the first batch
 
     @property
     def samples_per_s(self) -> float:
@@ -32,7 +34,8 @@ class Measurement:
 
     @property
     def cpu_per_1k(self) -> float:
-        return self.cpu / max(self.samples, 1) * 1000
+        """CPU seconds per 1,000 samples delivered, the first batch's included (its CPU is in ``cpu``)."""
+        return self.cpu / max(self.samples + self.first_samples, 1) * 1000
 
 
 def cpu_seconds() -> float:
@@ -49,13 +52,14 @@ def measure_loader(make: Callable[[], Iterator], *, seconds: float, max_samples:
     c0 = cpu_seconds()
     t0 = time.perf_counter()
     first = None
-    samples = nbytes = 0
+    samples = nbytes = first_samples = 0
     it = make()
     try:
         for n, b in it:
             now = time.perf_counter()
             if first is None:
                 first = now
+                first_samples = n
             else:
                 samples += n
                 nbytes += b
@@ -66,7 +70,7 @@ def measure_loader(make: Callable[[], Iterator], *, seconds: float, max_samples:
         if close is not None:
             close()
     end = time.perf_counter()
-    return Measurement(samples, nbytes, end - (first or end), (first or end) - t0, cpu_seconds() - c0)
+    return Measurement(samples, nbytes, end - (first or end), (first or end) - t0, cpu_seconds() - c0, first_samples)
 
 
 def median_of(runs: list[Measurement]) -> Measurement:
@@ -76,7 +80,7 @@ def median_of(runs: list[Measurement]) -> Measurement:
     # the run whose throughput is the median, with median first-batch and CPU
     ordered = sorted(runs, key=lambda r: r.samples_per_s)
     mid = ordered[len(ordered) // 2]
-    return Measurement(mid.samples, mid.bytes, mid.seconds, med(lambda r: r.first_batch), mid.cpu)
+    return Measurement(mid.samples, mid.bytes, mid.seconds, med(lambda r: r.first_batch), mid.cpu, mid.first_samples)
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -84,6 +88,17 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     line = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(header), sep, *map(line, rows)])
+
+
+def all_ids(store_url: str, dataset: str = "bench") -> list[int]:
+    """The ids of ``dataset``'s ``all`` split, in stored order."""
+    from dataferry.schema import ALL_SPLIT, open_store
+
+    async def go():
+        async with await open_store(store_url, create=False) as store:
+            return (await store.read_split(dataset, ALL_SPLIT)).ids.tolist()
+
+    return asyncio.run(go())
 
 
 @contextlib.contextmanager
@@ -123,20 +138,22 @@ def prepared_store(kind: str, images: int, dataset: str = "bench", store_url: st
 
 
 @contextlib.contextmanager
-def data_server(store_url: str):
-    """Run ``dataferry serve`` on ``store_url`` in its own process; yield ``(host, port)``."""
+def announced(cmd: Sequence[str], what: str, *, stderr=None):
+    """Run ``cmd``, a server that prints its address on its first line of stdout
+    (``listening on HOST:PORT``, or a URL); yield ``(host, port)``; stop it on exit
+    (SIGTERM, SIGKILL after 15 s). ``what`` names it in errors; ``stderr`` is
+    passed to :class:`subprocess.Popen`."""
+    import re
     import subprocess
-    import sys
 
-    cmd = [sys.executable, "-m", "dataferry.server", "--store", store_url, "--port", "0",
-           "--no-access-log", "--log-level", "WARNING", "--max-concurrent", "1024"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, stderr=stderr, text=True)
     try:
         line = proc.stdout.readline()
-        if "listening on" not in line:
-            raise RuntimeError(f"the data server did not start: {line.strip() or 'no output'}")
-        host, port = line.rsplit("//", 1)[1].strip().rsplit(":", 1)
-        yield host, int(port)
+        found = re.search(r"(?:https?://|listening on )\[?([\w.:-]+?)\]?:(\d+)", line)
+        if found is None:
+            proc.kill()
+            raise RuntimeError(f"{what} did not start ({' '.join(cmd)}): {line.strip() or 'no output'}")
+        yield found.group(1), int(found.group(2))
     finally:
         proc.terminate()
         try:
@@ -145,3 +162,14 @@ def data_server(store_url: str):
             proc.kill()
             proc.wait()
         proc.stdout.close()
+
+
+def data_server(store_url: str, *, host: str = "127.0.0.1", wrap: Sequence[str] = ()):
+    """Run ``dataferry serve`` on ``store_url`` in its own process, listening on
+    ``host``; yield ``(host, port)``. ``wrap`` prefixes the command (e.g. ``ip
+    netns exec NS``)."""
+    import sys
+
+    cmd = [*wrap, sys.executable, "-m", "dataferry.server", "--store", store_url, "--host", host, "--port", "0",
+           "--no-access-log", "--log-level", "WARNING", "--max-concurrent", "1024"]
+    return announced(cmd, "the data server")

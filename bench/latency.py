@@ -26,108 +26,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ._common import Measurement, data_server, measure_loader, median_of, prepared_store, table
+from ._common import Measurement, all_ids, data_server, measure_loader, median_of, prepared_store, table
+from ._loaders import NaiveCqlDataset, NaiveHttpDataset, naive, ours, with_options
 
 __all__ = ["main", "run"]
-
-
-def _ours(url: str, dataset: str, *, order: str, batch_size: int, inflight: int):
-    from dataferry.client import Hedge, Loader, Prefetch
-
-    def make():
-        loader = Loader(
-            url, dataset, batch_size=batch_size, order=order,
-            prefetch=Prefetch(max_inflight=inflight, initial_inflight=2, max_bytes=1 << 30),
-            hedge=Hedge(min_delay=0.5),
-        )
-
-        def batches():
-            try:
-                while True:
-                    for batch in loader:
-                        yield len(batch), batch.nbytes
-            finally:
-                loader.close()
-
-        return batches()
-
-    return make
-
-
-class _NaiveDataset:
-    """One blocking CQL request per sample, a session per worker process."""
-
-    def __init__(self, url: str, dataset: str, ids: list[int]) -> None:
-        self.url, self.dataset, self.ids = url, dataset, ids
-        self._session = None
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int):
-        import numpy as np
-
-        if self._session is None:
-            from dataferry.schema import parse_store_url
-            from dataferry.schema._cqlconnect import connect
-
-            opts = parse_store_url(self.url)
-            _, self._session, _ = connect(opts)
-            self._stmt = self._session.prepare(f"SELECT label, data FROM {opts.keyspace}.samples WHERE dataset=? AND id=?")
-        label, data = self._session.execute(self._stmt, (self.dataset, self.ids[i])).one()
-        return np.frombuffer(data, np.uint8), label
-
-
-class _NaiveHttpDataset:
-    """One blocking HTTP request per sample over a keep-alive connection per worker."""
-
-    def __init__(self, address: tuple[str, int], dataset: str, ids: list[int]) -> None:
-        self.address, self.dataset, self.ids = address, dataset, ids
-        self._conn = None
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int):
-        import http.client
-        import struct
-
-        import numpy as np
-
-        if self._conn is None:
-            self._conn = http.client.HTTPConnection(*self.address, timeout=60)
-        self._conn.request("POST", f"/v1/datasets/{self.dataset}/samples", struct.pack("<q", self.ids[i]),
-                           {"Content-Type": "application/octet-stream"})
-        body = self._conn.getresponse().read()
-        return np.frombuffer(body, np.uint8), 0
-
-
-def _collate(items):
-    return items
-
-
-def _naive(ds, *, batch_size: int, workers: int = 2):
-    import torch.utils.data as tud
-
-    def make():
-        dl = tud.DataLoader(ds, batch_size=batch_size, num_workers=workers, collate_fn=_collate,
-                            shuffle=True, persistent_workers=False, multiprocessing_context="fork")
-
-        def batches():
-            while True:
-                for items in dl:
-                    yield len(items), sum(len(d) for d, _ in items)
-
-        return batches()
-
-    return make
-
-
-def _with_options(url: str, host: str, port: int, **options) -> str:
-    """``url`` pointed at ``host:port``, with extra query options."""
-    rest = url.split("//", 1)[1].split("/", 1)[1]
-    extra = "&".join(f"{k}={v}" for k, v in options.items())
-    return f"cassandra://{host}:{port}/{rest}" + ("&" if "?" in rest else "?") + extra
 
 
 def _measure(results, name: str, rtt, make, args) -> None:
@@ -151,35 +53,35 @@ def run(args: argparse.Namespace) -> int:
         url, upstream, report = stack.enter_context(prepared_store("cassandra", args.images, store_url=args.store))
         print(f"dataset: {report.num_samples} images, {report.bytes_out / max(report.num_samples, 1) / 1e3:.0f} KB "
               f"mean (Cassandra at {upstream[0]}:{upstream[1]})", file=sys.stderr)
-        ids = _all_ids(url)
+        ids = all_ids(url)
         server = None
         if web:
             http_store = url if args.http_store == "cassandra" else stack.enter_context(
                 prepared_store("sqlite", args.images))[0]
             server = stack.enter_context(data_server(http_store))
             if "http-ooo" in web:
-                make = _ours(f"http://{server[0]}:{server[1]}", "bench", order="completion",
+                make = ours(f"http://{server[0]}:{server[1]}", "bench", order="completion",
                              batch_size=args.batch_size, inflight=args.inflight)
                 _measure(results, "http-ooo", "lo", make, args)
         for rtt in rtts:
             link = LinkOptions(delay=rtt / 2000)
             if cql:
                 with ProxyThread(upstream, link) as proxy:
-                    via = _with_options(url, *proxy.address, concurrency=args.concurrency, request_timeout=30)
+                    via = with_options(url, *proxy.address, concurrency=args.concurrency, request_timeout=30)
                     for name in cql:
                         if name == "cql-naive":
-                            make = _naive(_NaiveDataset(via, "bench", ids), batch_size=args.batch_size)
+                            make = naive(NaiveCqlDataset(via, "bench", ids), batch_size=args.batch_size)
                         else:
-                            make = _ours(via, "bench", order="input" if name == "cql-inorder" else "completion",
+                            make = ours(via, "bench", order="input" if name == "cql-inorder" else "completion",
                                          batch_size=args.batch_size, inflight=args.inflight)
                         _measure(results, name, rtt, make, args)
             if web:
                 with ProxyThread(server, link) as proxy:
                     for name in web:
                         if name == "http-naive":
-                            make = _naive(_NaiveHttpDataset(proxy.address, "bench", ids), batch_size=args.batch_size)
+                            make = naive(NaiveHttpDataset(proxy.address, "bench", ids), batch_size=args.batch_size)
                         else:
-                            make = _ours(f"http://{proxy.address[0]}:{proxy.address[1]}", "bench",
+                            make = ours(f"http://{proxy.address[0]}:{proxy.address[1]}", "bench",
                                          order="input" if name == "http-inorder" else "completion",
                                          batch_size=args.batch_size, inflight=args.inflight)
                         _measure(results, name, rtt, make, args)
@@ -198,18 +100,6 @@ def render(results, rtts, loaders) -> str:
             rows.append([name, label, f"{m.samples_per_s:,.0f}", f"{m.mb_per_s:,.1f}", share,
                          f"{m.first_batch:.2f}", f"{m.cpu_per_1k:.2f}"])
     return table(["loader", "RTT ms", "samples/s", "MB/s", f"vs RTT {rtts[0]:.0f}", "first batch s", "CPU s/1k"], rows)
-
-
-def _all_ids(url: str) -> list[int]:
-    import asyncio
-
-    from dataferry.schema import open_store
-
-    async def go():
-        async with await open_store(url, create=False) as store:
-            return (await store.read_split("bench", "all")).ids.tolist()
-
-    return asyncio.run(go())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,134 @@
+"""``dataferry bench``: every loader against RTT, loss and link rate; a table and plots.
+
+    dataferry bench --quick                 # a few minutes: 3 RTTs, 2 runs each, 600 images
+    dataferry bench                         # the full sweep (see bench/results/README.md)
+    sudo dataferry bench --link netem       # kernel shaping in namespaces, loss included
+
+Results go to ``--out`` (default ``bench-results/``): ``runs.csv``,
+``summary.json``, ``table.md``, ``throughput.png``, ``first_batch.png``,
+``cpu.png``. Exit status 0; 1 when some run failed (its error is in
+``runs.csv``); 2 for bad options; 3 for ``--link netem`` on a kernel without
+``sch_netem``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["add_cli_arguments", "cli", "QUICK"]
+
+#: what --quick changes (options given explicitly win)
+QUICK = {"images": 600, "rtts": (0, 50, 200), "rates": (None,), "repeats": 2, "seconds": 2.0}
+EXIT_NO_NETEM = 3
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+def _rates(text: str) -> tuple[str | None, ...]:
+    return tuple(None if r in ("", "0", "none", "unlimited") else r for r in text.lower().split(","))
+
+
+def add_cli_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true",
+                   help="a short run: 600 images, RTT 0,50,200, unlimited rate, 2 runs of 2 s (under 5 minutes)")
+    p.add_argument("--out", default="bench-results", metavar="DIR", help="where results go (default: bench-results)")
+    p.add_argument("--link", choices=("proxy", "netem"), default="proxy",
+                   help="proxy: dataferry latency-proxy processes on loopback (default; no loss); "
+                        "netem: tc in network namespaces (root, sch_netem; deploy/netem/)")
+    g = p.add_argument_group("the sweep (defaults: the full sweep)")
+    g.add_argument("--rtt", type=_floats, dest="rtts", metavar="MS,...", help="round-trip times (default: 0,10,50,100,200)")
+    g.add_argument("--loss", type=_floats, dest="losses", metavar="PCT,...",
+                   help="packet loss per direction, %% (default: 0,0.1; above 0 needs --link netem)")
+    g.add_argument("--rate", type=_rates, dest="rates", metavar="RATE,...",
+                   help="link rates, tc style (default: unlimited,1gbit)")
+    g.add_argument("--jitter", type=float, dest="jitter_ms", metavar="MS", help="delay jitter per direction (default: 0)")
+    g.add_argument("--loaders", type=lambda t: tuple(t.split(",")), metavar="NAME,...",
+                   help="default: http-ooo,http-inorder,http-naive,cql-ooo,cql-inorder,cql-naive,webdataset")
+    g.add_argument("--no-cql", action="store_true", help="leave out the CQL loaders (and Cassandra)")
+    g.add_argument("--images", type=int, help="synthetic ~110 KB JPEGs (default: 2000)")
+    g.add_argument("--repeats", type=int, help="runs per loader and condition; the medians are reported (default: 3)")
+    g.add_argument("--seconds", type=float, help="steady-state seconds per run (default: 5)")
+    g.add_argument("--batch-size", type=int)
+    g.add_argument("--workers", type=int, help="DataLoader workers of the naive and WebDataset loaders "
+                                               "(default: 4, at most the cores)")
+    g.add_argument("--inflight", type=int, help="the engine's max requests in flight (default: 64)")
+    g.add_argument("--concurrency", type=int, help="CQL requests in flight per store (default: 768)")
+    g.add_argument("--shard-mb", type=float, help="WebDataset shard size, MB (default: 100, and >= 2 shards per worker)")
+    p.add_argument("--netem-prefix", default="dfbench", help="name of the netem topology (default: dfbench)")
+
+
+def options_from(args: argparse.Namespace):
+    from .sweep import LOADERS, SweepOptions
+
+    given = {k: v for k, v in vars(args).items() if v is not None and k in SweepOptions.__dataclass_fields__}
+    values = ({k: v for k, v in QUICK.items() if k not in given} if args.quick else {}) | given
+    if args.no_cql:
+        values["loaders"] = tuple(n for n in values.get("loaders", LOADERS) if not n.startswith("cql-"))
+    return SweepOptions(**values)
+
+
+def cli(args: argparse.Namespace) -> int:
+    from .sweep import ProxyLink, run_and_report
+
+    opts = options_from(args)
+    command = "dataferry bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else _command(args)
+    out = Path(args.out)
+    if args.link == "proxy":
+        return run_and_report(opts, ProxyLink(), out, command)
+    return _run_netem(opts, out, args.netem_prefix, command)
+
+
+def _command(args: argparse.Namespace) -> str:
+    return "dataferry bench" + (" --quick" if args.quick else "")
+
+
+def _run_netem(opts, out: Path, prefix: str, command: str) -> int:
+    """Build the topology, run the sweep inside its client namespace, tear it down."""
+    from dataferry.schema import ConfigError
+
+    from ._links import NETEM_SCRIPTS
+
+    if not (NETEM_SCRIPTS / "up.sh").is_file():
+        raise ConfigError(f"--link netem needs the scripts of a dataferry checkout; {NETEM_SCRIPTS} has none")
+    if os.geteuid() != 0:
+        raise ConfigError("--link netem builds network namespaces and qdiscs: run it as root (sudo)")
+    if any(c.rtt_ms or c.loss_pct or c.jitter_ms for c in opts.conditions()):
+        check = subprocess.run([NETEM_SCRIPTS / "check.sh"])  # prints the pointer to the proxy when it fails
+        if check.returncode == EXIT_NO_NETEM:
+            return EXIT_NO_NETEM
+        if check.returncode != 0:
+            raise ConfigError(f"the netem probe failed ({NETEM_SCRIPTS / 'check.sh'} exited {check.returncode})")
+    subprocess.run([NETEM_SCRIPTS / "up.sh", "--prefix", prefix], check=True)
+    try:
+        child = [sys.executable, "-m", "dataferry.bench.sweep", "--netns-prefix", prefix, "--out", str(out.resolve()),
+                 "--options", json.dumps(opts.to_json()), "--command", command]
+        return subprocess.run(["ip", "netns", "exec", f"{prefix}-cli", *child]).returncode
+    finally:
+        subprocess.run([NETEM_SCRIPTS / "down.sh", "--prefix", prefix], check=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dataferry.bench.cli``: the same as ``dataferry bench``."""
+    p = argparse.ArgumentParser(prog="dataferry bench", description=__doc__.split("\n\n")[0])
+    add_cli_arguments(p)
+    from dataferry.schema import DataferryError
+
+    try:
+        return cli(p.parse_args(argv))
+    except DataferryError as exc:
+        print(f"dataferry: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Render a sweep's ``summary.json`` as ``table.md`` and PNG plots.
+
+    python -m dataferry.bench.report bench/results     # re-render from bench/results/summary.json
+
+Tables pivot one measure by loader (rows) and RTT (columns) for each rate and
+loss; the plots draw each loader against RTT, one colour per loader and one
+line style per rate and loss, on log scales (the loaders differ by orders of
+magnitude). Matplotlib runs headless (Agg).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ._common import table
+
+__all__ = ["render_markdown", "write_plots", "MEASURES"]
+
+#: key in a summary row -> (title, unit, format)
+MEASURES = {
+    "samples_per_s": ("Throughput", "samples/s", lambda v: f"{v:,.0f}" if v >= 10 else f"{v:.1f}"),
+    "first_batch_s": ("Time to first batch", "s", lambda v: f"{v:.2f}"),
+    "cpu_per_1k": ("Client CPU per 1,000 samples", "CPU s", lambda v: f"{v:.2f}"),
+}
+
+_COLOURS = {"http-ooo": "#08519c", "http-inorder": "#6baed6", "http-naive": "#de2d26", "cql-ooo": "#006d2c",
+            "cql-inorder": "#74c476", "cql-naive": "#fc9272", "webdataset": "#6a51a3"}
+
+
+def _series(doc: dict) -> list[tuple[str, float]]:
+    """The (rate, loss) pairs of the sweep, in sweep order."""
+    seen = []
+    for row in doc["summary"]:
+        key = (row["rate"] or "unlimited", row["loss_pct"])
+        if key not in seen:
+            seen.append(key)
+    return seen
+
+
+def _rows(doc: dict, rate: str, loss: float) -> list[dict]:
+    return [r for r in doc["summary"] if (r["rate"] or "unlimited") == rate and r["loss_pct"] == loss]
+
+
+def _cell(row: dict | None, key: str) -> str:
+    if row is None:
+        return "-"
+    if row[key] is None:
+        return "n/a" if row["status"].startswith("n/a") else "failed"
+    return MEASURES[key][2](row[key])
+
+
+def _pivot(doc: dict, key: str, rate: str, loss: float) -> str:
+    rows = _rows(doc, rate, loss)
+    rtts = sorted({r["rtt_ms"] for r in rows})
+    by = {(r["loader"], r["rtt_ms"]): r for r in rows}
+    header = ["loader", *(f"{rtt:g} ms" for rtt in rtts)]
+    keep = key == "samples_per_s" and len(rtts) > 1
+    if keep:
+        header.append(f"{rtts[-1]:g} vs {rtts[0]:g} ms")
+    body = []
+    for loader in doc["loaders"]:
+        if not any((loader, rtt) in by for rtt in rtts):
+            continue
+        line = [loader, *(_cell(by.get((loader, rtt)), key) for rtt in rtts)]
+        if keep:
+            first, last = by.get((loader, rtts[0])), by.get((loader, rtts[-1]))
+            ok = first and last and first[key] and last[key] is not None
+            line.append(f"{last[key] / first[key]:.0%}" if ok else "-")
+        body.append(line)
+    return table(header, body)
+
+
+def render_markdown(doc: dict) -> str:
+    meta, opts = doc["meta"], doc["options"]
+    out = [
+        "# `dataferry bench` results",
+        "",
+        f"{meta.get('date', '')}; {meta.get('machine', '')}; link: **{meta['link']}**; "
+        f"{meta['images']} synthetic JPEGs of {meta['mean_kb']:.0f} KB mean ({meta['dataset_mb']:.0f} MB)"
+        + (f", WebDataset in {meta['shards']} shards of {meta['shard_mb']:.0f} MB" if "shards" in meta else "")
+        + f"; batch {opts['batch_size']}; DataLoader workers {opts['workers']}. Each cell is the median of "
+        f"{opts['repeats']} runs of {opts['seconds']:g} s (steady state, after the first batch). "
+        f"The sweep took {meta['total_s'] / 60:.1f} min.",
+        "",
+        f"Command: `{meta.get('command', '')}`",
+        "",
+        *(f"- `{name}`: {text}" for name, text in doc["loaders"].items()
+          if any(r["loader"] == name for r in doc["summary"])),
+    ]
+    series = _series(doc)
+    base = series[0]
+    for rate, loss in series:
+        measured = any(r["status"] == "ok" for r in _rows(doc, rate, loss))
+        if not measured:
+            why = next(r["status"] for r in _rows(doc, rate, loss))
+            out += ["", f"## Rate {rate}, loss {loss:g}%", "", f"Not measured: {why.removeprefix('n/a: ')}."]
+            continue
+        keys = list(MEASURES) if (rate, loss) == base else ["samples_per_s"]
+        for key in keys:
+            title, unit, _ = MEASURES[key]
+            out += ["", f"## {title} ({unit}): rate {rate}, loss {loss:g}%", "", _pivot(doc, key, rate, loss)]
+    return "\n".join(out) + "\n"
+
+
+def write_plots(doc: dict, out: Path) -> list[Path]:
+    """throughput.png, first_batch.png and cpu.png under ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    styles = ["-", "--", ":", "-."]
+    series = [s for s in _series(doc) if any(r["status"] == "ok" for r in _rows(doc, *s))]
+    meta = doc["meta"]
+    paths = []
+    for key, name in (("samples_per_s", "throughput"), ("first_batch_s", "first_batch"), ("cpu_per_1k", "cpu")):
+        title, unit, _ = MEASURES[key]
+        fig, ax = plt.subplots(figsize=(7.5, 4.6), dpi=100)
+        loaders = []
+        for (rate, loss), style in zip(series, styles):
+            rows = _rows(doc, rate, loss)
+            for loader in doc["loaders"]:
+                points = sorted((r["rtt_ms"], r[key]) for r in rows if r["loader"] == loader and r[key] is not None)
+                if not points:
+                    continue
+                if loader not in loaders:
+                    loaders.append(loader)
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, style, marker="o", markersize=3.5, linewidth=1.6, color=_COLOURS.get(loader))
+        ax.set_yscale("log")
+        ax.set_xlabel("round-trip time, ms")
+        ax.set_ylabel(unit)
+        rtts = sorted({r["rtt_ms"] for r in doc["summary"]})
+        ax.set_xticks(rtts)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.set_title(f"{title}, {meta['images']} images of {meta['mean_kb']:.0f} KB, link: {meta['link']}", fontsize=10)
+        handles = [Line2D([], [], color=_COLOURS.get(n), marker="o", markersize=3.5, label=n) for n in loaders]
+        if len(series) > 1:
+            handles += [Line2D([], [], color="grey", linestyle=st, label=f"{rate}, loss {loss:g}%")
+                        for (rate, loss), st in zip(series, styles)]
+        ax.legend(handles=handles, fontsize=7.5, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+        fig.tight_layout()
+        path = out / f"{name}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m dataferry.bench.report RESULTS_DIR", file=sys.stderr)
+        return 2
+    out = Path(args[0])
+    doc = json.loads((out / "summary.json").read_text())
+    (out / "table.md").write_text(render_markdown(doc))
+    write_plots(doc, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""The sweep behind ``dataferry bench``: every loader across a grid of links.
+
+For each :class:`~._links.Condition` (RTT x loss x rate) the link is set up
+once, then each loader runs ``repeats`` times, the loaders interleaved so that
+a burst of noise from a neighbour does not land on one loader's runs only. A
+run measures (:func:`~._common.measure_loader`) the steady-state throughput
+after the first batch, the time to the first batch, and the client's CPU
+seconds per 1,000 samples, DataLoader workers included. A run that fails is
+recorded with its error and the sweep goes on; a condition the link cannot
+emulate (loss through the proxy) is recorded as not applicable.
+
+The loaders (:data:`LOADERS`) read one synthetic dataset: the data service
+serves it from SQLite (the store next to the server), the CQL path reads it
+from Cassandra 1.2, WebDataset reads it as tar shards written from the same
+samples (:mod:`.webdataset_baseline`).
+
+:func:`run_and_report` runs a sweep and writes ``runs.csv`` (every run),
+``summary.json`` (medians and how they were made), and from it ``table.md``
+and the PNG plots (:mod:`.report`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._common import Measurement, all_ids, data_server, measure_loader, prepared_store
+from ._links import Condition, NetemLink, ProxyLink
+
+__all__ = ["LOADERS", "SweepOptions", "Run", "Sweep", "run_sweep", "summarize", "run_and_report", "write_results"]
+
+#: name -> what it is; the order of tables and legends
+LOADERS: dict[str, str] = {
+    "http-ooo": "ours, data service over HTTP, out of order",
+    "http-inorder": "ours, data service over HTTP, in order",
+    "http-naive": "torch DataLoader, one HTTP request per sample",
+    "cql-ooo": "ours, Cassandra over CQL, out of order",
+    "cql-inorder": "ours, Cassandra over CQL, in order",
+    "cql-naive": "torch DataLoader, one CQL query per sample",
+    "webdataset": "WebDataset tar shards over HTTP, torch DataLoader",
+}
+DATASET = "bench"
+
+
+def default_workers() -> int:
+    """DataLoader workers: 4, or fewer on a small machine (torch warns above the core count)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+@dataclass(frozen=True, slots=True)
+class SweepOptions:
+    images: int = 2000
+    rtts: tuple[float, ...] = (0, 10, 50, 100, 200)
+    losses: tuple[float, ...] = (0.0, 0.1)
+    rates: tuple[str | None, ...] = (None, "1gbit")
+    jitter_ms: float = 0.0
+    loaders: tuple[str, ...] = tuple(LOADERS)
+    repeats: int = 3
+    seconds: float = 5.0  # steady state per run, after the first batch
+    max_samples: int = 50_000
+    batch_size: int = 64
+    workers: int = dataclasses.field(default_factory=default_workers)  # DataLoader workers (naive, webdataset)
+    inflight: int = 64  # the engine's max requests in flight
+    concurrency: int = 768  # CQL requests in flight per store
+    shard_mb: float = 100.0
+
+    def __post_init__(self) -> None:
+        from dataferry.schema import ConfigError
+
+        unknown = [n for n in self.loaders if n not in LOADERS]
+        if unknown or not self.loaders:
+            raise ConfigError(f"unknown loaders {unknown or '(none)'}; choose from {', '.join(LOADERS)}")
+        if not self.rtts or min(self.rtts) < 0 or not self.losses or min(self.losses) < 0 or not self.rates:
+            raise ConfigError("RTTs and losses are >= 0, and each list has at least one value")
+        for name in ("images", "repeats", "max_samples", "batch_size", "workers", "inflight", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.seconds <= 0 or self.shard_mb <= 0 or self.jitter_ms < 0:
+            raise ConfigError("seconds and shard size must be > 0, jitter >= 0")
+
+    def conditions(self) -> list[Condition]:
+        return [Condition(rtt, loss, rate, self.jitter_ms)
+                for rate in self.rates for loss in self.losses for rtt in self.rtts]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> SweepOptions:
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    loader: str
+    cond: Condition
+    repeat: int
+    status: str  # "ok", "n/a: why", "error: what"
+    m: Measurement | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Sweep:
+    options: SweepOptions
+    runs: list[Run]
+    meta: dict
+
+
+@dataclass(frozen=True, slots=True)
+class _Servers:
+    ids: list[int]
+    http: tuple[str, int]
+    files: tuple[str, int] | None
+    shards: tuple[str, ...]
+    cql_url: str | None
+    cql: tuple[str, int] | None
+
+
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _start(stack: contextlib.ExitStack, opts: SweepOptions, link) -> tuple[_Servers, dict]:
+    from .webdataset_baseline import file_server, shard_size, write_shards
+
+    t0 = time.perf_counter()
+    sqlite_url, _, report = stack.enter_context(prepared_store("sqlite", opts.images, DATASET))
+    ids = all_ids(sqlite_url, DATASET)
+    http = stack.enter_context(data_server(sqlite_url, host=link.host, wrap=link.wrap))
+    meta = {"images": report.num_samples, "mean_kb": round(report.bytes_out / max(report.num_samples, 1) / 1e3, 1),
+            "dataset_mb": round(report.bytes_out / 1e6, 1)}
+    files, shards = None, ()
+    if "webdataset" in opts.loaders:
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="dataferry-shards-"))
+        per_shard = shard_size(report.bytes_out, workers=opts.workers, target=opts.shard_mb * 1e6)
+        shards = tuple(write_shards(sqlite_url, DATASET, folder, shard_bytes=per_shard))
+        files = stack.enter_context(file_server(folder, host=link.host, wrap=link.wrap))
+        meta["shards"] = len(shards)
+        meta["shard_mb"] = round(sum(os.path.getsize(os.path.join(folder, s)) for s in shards) / len(shards) / 1e6, 1)
+    cql_url = cql = None
+    if any(n.startswith("cql-") for n in opts.loaders):
+        cql_url, cql = stack.enter_context(link.cassandra(opts.images))
+    meta["setup_s"] = round(time.perf_counter() - t0, 1)
+    _log(f"bench: {meta['images']} images of {meta['mean_kb']:.0f} KB mean; link {link.name}; "
+         f"set up in {meta['setup_s']:.0f} s")
+    return _Servers(ids, http, files, shards, cql_url, cql), meta
+
+
+def _factory(name: str, servers: _Servers, route, opts: SweepOptions):
+    from ._loaders import NaiveCqlDataset, NaiveHttpDataset, naive, ours, with_options
+    from .webdataset_baseline import webdataset_loader
+
+    if name == "webdataset":
+        host, port = route(servers.files)
+        urls = [f"http://{host}:{port}/{shard}" for shard in servers.shards]
+        return webdataset_loader(urls, batch_size=opts.batch_size, workers=opts.workers)
+    path, _, kind = name.partition("-")
+    order = "input" if kind == "inorder" else "completion"
+    if path == "http":
+        host, port = route(servers.http)
+        if kind == "naive":
+            return naive(NaiveHttpDataset((host, port), DATASET, servers.ids), batch_size=opts.batch_size,
+                         workers=opts.workers)
+        return ours(f"http://{host}:{port}", DATASET, order=order, batch_size=opts.batch_size, inflight=opts.inflight)
+    host, port = route(servers.cql)
+    url = with_options(servers.cql_url, host, port, concurrency=opts.concurrency, request_timeout=30)
+    if kind == "naive":
+        return naive(NaiveCqlDataset(url, DATASET, servers.ids), batch_size=opts.batch_size, workers=opts.workers)
+    return ours(url, DATASET, order=order, batch_size=opts.batch_size, inflight=opts.inflight)
+
+
+def _run_one(name: str, cond: Condition, repeat: int, servers: _Servers, route, opts: SweepOptions) -> Run:
+    try:
+        m = measure_loader(_factory(name, servers, route, opts), seconds=opts.seconds, max_samples=opts.max_samples)
+    except Exception as exc:  # noqa: BLE001 - recorded, and the sweep goes on
+        _log(f"  {name:<13} run {repeat + 1}: failed: {type(exc).__name__}: {exc}")
+        return Run(name, cond, repeat, f"error: {type(exc).__name__}: {exc}")
+    _log(f"  {name:<13} run {repeat + 1}: {m.samples_per_s:>8,.0f} samples/s {m.mb_per_s:>7,.1f} MB/s  "
+         f"first batch {m.first_batch:5.2f} s  cpu {m.cpu_per_1k:5.2f} s/1k")
+    return Run(name, cond, repeat, "ok", m)
+
+
+def run_sweep(opts: SweepOptions, link) -> Sweep:
+    """Run every loader under every condition of ``opts`` across ``link``."""
+    t0 = time.perf_counter()
+    runs: list[Run] = []
+    with contextlib.ExitStack() as stack:
+        servers, meta = _start(stack, opts, link)
+        for cond in opts.conditions():
+            why = link.unsupported(cond)
+            if why:
+                _log(f"{cond.describe()}: {why}")
+                runs += [Run(name, cond, 0, why) for name in opts.loaders]
+                continue
+            _log(f"{cond.describe()}:")
+            with link.emulate(cond) as route:
+                for repeat in range(opts.repeats):
+                    runs += [_run_one(name, cond, repeat, servers, route, opts) for name in opts.loaders]
+    meta["sweep_s"] = round(time.perf_counter() - t0, 1)
+    return Sweep(opts, runs, meta)
+
+
+def summarize(runs: list[Run]) -> list[dict]:
+    """One row per (loader, condition): the medians of its successful runs."""
+    groups: dict[tuple[str, Condition], list[Run]] = {}
+    for run in runs:
+        groups.setdefault((run.loader, run.cond), []).append(run)
+    rows = []
+    for (loader, cond), group in groups.items():
+        ok = [r.m for r in group if r.status == "ok"]
+        row = {"loader": loader, **dataclasses.asdict(cond), "runs": len(ok),
+               "status": "ok" if ok else group[0].status}
+        for key, value in (("samples_per_s", lambda m: m.samples_per_s), ("mb_per_s", lambda m: m.mb_per_s),
+                           ("first_batch_s", lambda m: m.first_batch), ("cpu_per_1k", lambda m: m.cpu_per_1k)):
+            row[key] = statistics.median(map(value, ok)) if ok else None
+        rows.append(row)
+    return rows
+
+
+_RUN_FIELDS = ["loader", "rtt_ms", "loss_pct", "rate", "jitter_ms", "repeat", "status", "samples", "first_samples",
+               "bytes", "seconds", "first_batch_s", "cpu_s", "samples_per_s", "mb_per_s", "cpu_per_1k"]
+
+
+def write_results(sweep: Sweep, out: Path) -> list[Path]:
+    """Write runs.csv, summary.json, table.md and the plots under ``out``; return the paths."""
+    from .report import render_markdown, write_plots
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "runs.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, _RUN_FIELDS)
+        writer.writeheader()
+        for run in sweep.runs:
+            row = {"loader": run.loader, **dataclasses.asdict(run.cond), "repeat": run.repeat + 1, "status": run.status}
+            row["rate"] = run.cond.rate_label
+            if run.m is not None:
+                m = run.m
+                row |= {"samples": m.samples, "first_samples": m.first_samples, "bytes": m.bytes,
+                        "seconds": f"{m.seconds:.3f}", "first_batch_s": f"{m.first_batch:.3f}", "cpu_s": f"{m.cpu:.3f}",
+                        "samples_per_s": f"{m.samples_per_s:.1f}", "mb_per_s": f"{m.mb_per_s:.2f}",
+                        "cpu_per_1k": f"{m.cpu_per_1k:.3f}"}
+            writer.writerow(row)
+    summary = summarize(sweep.runs)
+    doc = {"meta": sweep.meta, "options": sweep.options.to_json(), "loaders": LOADERS, "summary": summary}
+    (out / "summary.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / "table.md").write_text(render_markdown(doc))
+    return [out / "runs.csv", out / "summary.json", out / "table.md", *write_plots(doc, out)]
+
+
+def run_and_report(opts: SweepOptions, link, out: Path, command: str) -> int:
+    """Sweep, write the results, print the table; 1 if any run failed."""
+    import torch
+    import webdataset
+
+    t0 = time.perf_counter()
+    sweep = run_sweep(opts, link)
+    sweep.meta.update({"total_s": round(time.perf_counter() - t0, 1),
+        "command": command, "link": link.name,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, Linux {platform.release()}",
+        "python": platform.python_version(), "torch": torch.__version__, "webdataset": webdataset.__version__,
+    })
+    paths = write_results(sweep, out)
+    print((out / "table.md").read_text())
+    print(f"bench: {sweep.meta['total_s']:.0f} s; wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    return 1 if any(r.status.startswith("error") for r in sweep.runs) else 0
+
+
+def _netns_child(argv: list[str] | None = None) -> int:
+    """The half of ``dataferry bench --link netem`` that runs inside the client namespace."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dataferry.bench.sweep")
+    p.add_argument("--netns-prefix", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--options", required=True, help="SweepOptions as JSON")
+    p.add_argument("--command", default="")
+    args = p.parse_args(argv)
+    opts = SweepOptions.from_json(json.loads(args.options))
+    return run_and_report(opts, NetemLink(args.netns_prefix), Path(args.out), args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(_netns_child())

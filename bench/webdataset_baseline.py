@@ -1,0 +1,97 @@
+"""WebDataset read over HTTP, as its users do it: the baseline next to ours.
+
+The shards hold the very samples the other loaders read. :func:`write_shards`
+reads every sample of a dataset from a dataferry store (the ``fetch`` seam) and
+writes them with ``wds.ShardWriter`` as POSIX tar shards, one sample per key::
+
+    {"__key__": "<sample id>", "jpg": <the stored bytes>, "cls": <label>}
+
+:func:`file_server` serves the folder with ``python -m http.server`` (what a
+user would start; a CDN or S3 in real life), and the bench puts the same
+emulated link in front of it as in front of the data service.
+:func:`webdataset_loader` reads the shards the way the WebDataset README does:
+``wds.WebDataset(urls, shardshuffle=...)`` (http URLs are opened through a
+``curl`` subprocess per shard), a 1,000-sample shuffle buffer, and a torch
+DataLoader with a few worker processes, each streaming its own shards. Samples
+stay encoded bytes, as with the other loaders. Set no ``WDS_CACHE``: it would
+turn on WebDataset's local shard cache and the link would be read once.
+
+Shards are ~100 MB, the size WebDataset recommends, but at least two per
+worker, since a worker without a shard has nothing to read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from ._common import announced
+from ._loaders import collate_list
+
+__all__ = ["write_shards", "shard_size", "file_server", "webdataset_loader"]
+
+
+def shard_size(total_bytes: int, *, workers: int, target: float = 100e6) -> int:
+    """Bytes per shard: ``target``, or less so that every worker gets two shards."""
+    return max(1 << 20, int(min(target, total_bytes / (2 * max(workers, 1)))))
+
+
+def write_shards(store_url: str, dataset: str, folder: str, *, shard_bytes: int, chunk: int = 256) -> list[str]:
+    """Write every sample of ``dataset`` into tar shards under ``folder``, in the
+    order of its ``all`` split; return the shard file names, in order."""
+    import webdataset as wds
+
+    from dataferry.schema import ALL_SPLIT, Sample, open_store
+
+    os.makedirs(folder, exist_ok=True)
+    pattern = os.path.join(folder, f"{dataset}-%06d.tar")
+
+    async def go():
+        async with await open_store(store_url, create=False) as store:
+            ids = (await store.read_split(dataset, ALL_SPLIT)).ids.tolist()
+            # maxcount: the size decides, not the count
+            with wds.ShardWriter(pattern, maxsize=shard_bytes, maxcount=1 << 40, verbose=0) as sink:
+                for start in range(0, len(ids), chunk):
+                    part = ids[start:start + chunk]
+                    got = {}
+                    async for result in store.fetch(dataset, part):
+                        if not isinstance(result, Sample):
+                            raise result
+                        got[result.id] = result
+                    for i in part:  # the split's order, not completion order
+                        sink.write({"__key__": str(i), "jpg": got[i].data, "cls": got[i].label})
+
+    asyncio.run(go())
+    return sorted(name for name in os.listdir(folder) if name.startswith(f"{dataset}-") and name.endswith(".tar"))
+
+
+def file_server(folder: str, *, host: str = "127.0.0.1", wrap: Sequence[str] = ()):
+    """Serve ``folder`` with ``python -m http.server`` on ``host``; yield ``(host, port)``."""
+    cmd = [*wrap, sys.executable, "-u", "-m", "http.server", "--bind", host, "--directory", folder, "0"]
+    return announced(cmd, "the shard file server", stderr=subprocess.DEVNULL)  # its stderr: one line per GET
+
+
+def webdataset_loader(urls: list[str], *, batch_size: int, workers: int, shuffle: int = 1000):
+    """A factory for :func:`~._common.measure_loader`: WebDataset over ``urls``, epochs back to back."""
+    import torch.utils.data as tud
+    import webdataset as wds
+
+    if len(urls) < workers:
+        raise ValueError(f"{len(urls)} shards for {workers} DataLoader workers: some workers would read nothing")
+
+    def make():
+        ds = wds.WebDataset(urls, shardshuffle=len(urls)).shuffle(shuffle).to_tuple("jpg", "cls")
+        dl = tud.DataLoader(ds, batch_size=batch_size, num_workers=workers, collate_fn=collate_list,
+                            multiprocessing_context="fork")
+
+        def batches():
+            while True:
+                for items in dl:
+                    yield len(items), sum(len(data) for data, _ in items)
+
+        return batches()
+
+    return make
