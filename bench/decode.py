@@ -138,9 +138,10 @@ def run_decode_bench(images: int = 64, runs: int = 5, threads: int | None = None
         dali = True
         row("decode: DALI cpu", 1, _dali_decode(blobs, 1, passes, batch))
         row("decode: DALI cpu", threads, _dali_decode(blobs, threads, passes, batch))
-    row("decode+crop+flip+normalize 224: TorchIterator (Pillow)", threads, _end_to_end(blobs, "torch", threads, passes, batch))
+    e2e = "decode+crop+flip+normalize 224: "
+    row(e2e + "TorchIterator (Pillow)", threads, _end_to_end(blobs, "torch", threads, passes, batch))
     if dali:
-        row("decode+crop+flip+normalize 224: DaliIterator cpu", threads, _end_to_end(blobs, "dali", threads, passes, batch))
+        row(e2e + "DaliIterator cpu", threads, _end_to_end(blobs, "dali", threads, passes, batch))
     mean_kb = nbytes / n / 1e3
     head = (f"{len(blobs)} synthetic JPEGs (mean {mean_kb:.0f} KB) x {passes} passes, batch {batch}, "
             f"median of {runs} runs, {os.cpu_count()} CPUs")

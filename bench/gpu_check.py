@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         [f"decode ({label})", f"{rate:,.0f}", f"{rate * nbytes / n / 1e6:,.1f}"],
         [f"loader -> decode -> crop/flip/normalize 224 ({label})", f"{e2e:,.0f}", f"{e2e * nbytes / n / 1e6:,.1f}"],
     ]
-    print(f"{len(blobs)} synthetic JPEGs (mean {nbytes / n / 1e3:.0f} KB), batch {args.batch}, median of {args.runs} runs")
+    print(f"{len(blobs)} synthetic JPEGs (mean {nbytes / n / 1e3:.0f} KB), batch {args.batch}, "
+          f"median of {args.runs} runs")
     print(table(["path", "images/s", "MB/s"], rows))
     print(f"end to end: {what}")
     return 0 if mad < 4 else 1

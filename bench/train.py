@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loader", choices=["dali", "torch"], default=None, help="default: dali when installed")
     ap.add_argument("--size", type=int, default=64, help="crop size (default 64)")
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--workers", type=int, default=None, help="decode threads (default: all CPUs; DALI: up to 8)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="decode threads (default: CPUs, at most 16 for torch, 8 for DALI)")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--synthetic", type=int, default=512, metavar="N",

@@ -93,7 +93,8 @@ class ImageBatch:
                 return None
             return [fn(t) for t in x] if isinstance(x, list) else fn(x)
 
-        return replace(self, images=each(self.images), labels=fn(self.labels), ids=fn(self.ids), targets=each(self.targets))
+        return replace(self, images=each(self.images), labels=fn(self.labels), ids=fn(self.ids),
+                       targets=each(self.targets))
 
     def to(self, device, non_blocking: bool = False) -> ImageBatch:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -156,7 +157,9 @@ def prepare(batch: Batch, transform: Transform, targets: TargetKind, dataset: st
 
 def to_batch(torch, prep: Prepared, images, masks) -> ImageBatch:
     b = prep.batch
-    targets = masks if masks is not None else (torch.from_numpy(prep.multilabel) if prep.multilabel is not None else None)
+    targets = masks
+    if prep.multilabel is not None:
+        targets = torch.from_numpy(prep.multilabel)
     return ImageBatch(
         images=images,
         labels=torch.from_numpy(b.labels.astype(np.int64)),
@@ -202,9 +205,11 @@ class TorchIterator:
 
     ``transform``: :class:`TrainTransform`, :class:`EvalTransform` or None
     (decode only). ``targets``: ``"none"``, ``"mask"`` or ``"multilabel"``
-    (see ``_transforms.py`` for the encodings). ``prefetch``: batches decoded
-    ahead of the consumer. ``seed`` (default: the loader's plan seed) keys the
-    random crops and flips with the epoch and sample id.
+    (see ``_transforms.py`` for the encodings). ``workers``: decode threads
+    (default ``min(16, cpu_count)``; Pillow releases the GIL while it decodes
+    and resizes). ``prefetch``: batches decoded ahead of the consumer.
+    ``seed`` (default: the loader's plan seed) keys the random crops and
+    flips with the epoch and sample id.
 
     Also a ``torch.utils.data.IterableDataset``: ``DataLoader(it,
     batch_size=None, num_workers=0, pin_memory=True)`` works (decoding is
@@ -229,7 +234,7 @@ class TorchIterator:
             raise ConfigError(f"transform must be a TrainTransform, an EvalTransform or None, not {transform!r}")
         if prefetch < 1:
             raise ConfigError(f"prefetch must be >= 1, not {prefetch}")
-        workers = workers or os.cpu_count() or 1
+        workers = workers or min(16, os.cpu_count() or 1)
         if workers < 1:
             raise ConfigError(f"workers must be >= 1, not {workers}")
         self.loader, self.transform, self.targets, self.prefetch = loader, transform, targets, prefetch

@@ -176,8 +176,9 @@ def crop_windows(
     if bad.any():
         Hb, Wb = H[bad], W[bad]
         ar = Wb / Hb
-        wb = np.where(ar < transform.ratio[0], Wb, np.where(ar > transform.ratio[1], np.round(Hb * transform.ratio[1]), Wb))
-        hb = np.where(ar < transform.ratio[0], np.round(Wb / transform.ratio[0]), Hb)
+        lo, hi = transform.ratio
+        wb = np.where(ar > hi, np.round(Hb * hi), Wb)
+        hb = np.where(ar < lo, np.round(Wb / lo), Hb)
         w[bad], h[bad] = wb, hb
         y[bad], x[bad] = np.floor((Hb - hb) / 2), np.floor((Wb - wb) / 2)
     win = np.stack([x, y, w, h], axis=1).astype(np.int32)
@@ -272,8 +273,8 @@ def decode_multilabel(blobs: Sequence[bytes | None], ids: Sequence[int], dataset
             raise InvalidImage(f"dataset {dataset!r} sample {sid}", "no multilabel target")
         lengths.add(len(blob))
     if len(lengths) > 1 or (lengths and next(iter(lengths)) % 4):
-        raise InvalidImage(f"dataset {dataset!r} samples {list(ids)[:8]}",
-                           f"multilabel targets must be float32 vectors of one length, got byte lengths {sorted(lengths)}")
+        raise InvalidImage(f"dataset {dataset!r} samples {list(ids)[:8]}", "multilabel targets must be float32 "
+                           f"vectors of one length, got byte lengths {sorted(lengths)}")
     return np.frombuffer(b"".join(blobs), "<f4").reshape(len(blobs), -1).astype(np.float32)
 
 
