@@ -20,6 +20,8 @@ PUBLIC = {
         "PlanOptions", "Prefetch", "Retry", "SampleFailed", "Stats", "make_plan",
         "LatencyProxy", "LinkOptions", "ProxyStats", "ProxyThread", "parse_duration", "parse_rate",
         "HttpSource", "HttpOptions", "TokenRefused", "RequestRejected",
+        "DaliIterator", "DaliOptions", "TorchIterator", "ImageBatch", "TrainTransform", "EvalTransform",
+        "TargetKind", "encode_mask", "encode_multilabel",
     ],
     "dataferry.server": ["Metrics", "ServerOptions", "make_app"],
 }
