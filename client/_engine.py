@@ -90,11 +90,39 @@ class Link:
     latencies), kept across epochs and runs so a new epoch does not start its
     window from scratch."""
 
+    #: requests allowed to queue at the bottleneck (TCP Vegas' alpha and beta)
+    QUEUE_LOW, QUEUE_HIGH = 2.0, 6.0
+
     def __init__(self, prefetch: Prefetch, hedge: Hedge) -> None:
-        self.window = prefetch.initial_inflight
+        self.prefetch = prefetch
+        self.window = float(prefetch.initial_inflight)
         self.mean_bytes = float(prefetch.sample_bytes_hint)
-        self.latencies: deque[float] = deque(maxlen=hedge.history)
+        self.latencies: deque[float] = deque(maxlen=hedge.history)  # full-size requests only
         self.hedge_after = float("inf")
+
+    def answered(self, latency: float, full: bool) -> None:
+        """A request came back whole after ``latency`` seconds: size the window.
+
+        It grows by one per answer (doubling per round trip) until answers
+        start to queue: ``window * (1 - min_latency / latency)`` estimates how
+        many requests wait at the bottleneck (the server, or the link); above
+        ``QUEUE_HIGH`` the window shrinks, between the two it holds. Extra
+        requests there would add only memory and latency, not throughput.
+        """
+        p = self.prefetch
+        if not full:
+            return  # a short request (a retry, a hedge, an epoch's tail) says little about queueing
+        self.latencies.append(latency)
+        queued = 0.0
+        if p.adaptive and latency > 0:
+            queued = self.window * (1.0 - min(self.latencies) / latency)
+        if queued < self.QUEUE_LOW:
+            self.window = min(float(p.max_inflight), self.window + 1.0)
+        elif queued > self.QUEUE_HIGH:
+            self.window = max(float(p.initial_inflight), self.window - 0.5)
+
+    def failed(self) -> None:
+        self.window = max(float(self.prefetch.initial_inflight), self.window / 2)
 
 
 @dataclass(eq=False)
@@ -131,6 +159,7 @@ class _Epoch:
         self.skipped_count = 0
         self.partial_bytes = 0
         self.outbox: list[Batch] = []  # batches made while this epoch was the look-ahead
+        self.finished = False  # its end has been emitted
 
     def fresh(self, k: int) -> list[int]:
         """Up to ``k`` not-yet-sent positions, in plan order."""
@@ -188,6 +217,7 @@ class Run:
         self._wake: asyncio.Future | None = None
         self._rand = random.Random(plan.seed * 1000003 + plan.epoch)
         self._ended = False
+        self._consumer_epoch = plan.epoch
 
     # --- called from the consumer's thread via call_soon_threadsafe ----------
     def release(self, nbytes: int) -> None:
@@ -226,18 +256,37 @@ class Run:
             self.c.inflight = 0
 
     def _advance(self) -> None:
-        """End every finished epoch, in order; promote the look-ahead."""
-        while self.current.completed.complete and not self._ended:
-            self._finish(self.current)
-            if self.ahead is None and self._next_plan is not None:
-                self.ahead = _Epoch(self._next_plan(self.current.plan.epoch + 1), None)
-            if self.ahead is None:
-                self._ended = True
+        """End finished epochs, in order, and promote the look-ahead; the
+        look-ahead is at most one epoch beyond the consumer's."""
+        while True:
+            cur = self.current
+            if cur.completed.complete and not cur.finished:
+                self._finish(cur)
+                cur.finished = True
+            if not cur.finished:
                 return
+            if self.ahead is None:
+                if self._next_plan is None:
+                    self._ended = True
+                    return
+                self.ahead = self._make_ahead()
+                if self.ahead is None:
+                    return  # the consumer is a whole epoch behind: wait for it
             self.current, self.ahead = self.ahead, None
             for batch in self.current.outbox:
                 self._emit(batch)
             self.current.outbox = []
+
+    def _make_ahead(self) -> _Epoch | None:
+        epoch = self.current.plan.epoch + 1
+        if self._next_plan is None or epoch > self._consumer_epoch + 1:
+            return None
+        return _Epoch(self._next_plan(epoch), None)
+
+    def consumer_at(self, epoch: int) -> None:
+        """The consumer moved on to ``epoch`` (called on the loop)."""
+        self._consumer_epoch = epoch
+        self._poke()
 
     def _next_timer(self, now: float) -> float | None:
         t = min((r.deadline for r in self._active if not r.hedge and r.twin is None), default=float("inf"))
@@ -273,9 +322,9 @@ class Run:
                 self._start(ep, positions, attempt, now)
                 continue
             ep = self.current
-            if ep.cursor >= ep.n:
-                if self.ahead is None and self._next_plan is not None:
-                    self.ahead = _Epoch(self._next_plan(ep.plan.epoch + 1), None)
+            if ep.finished or ep.cursor >= ep.n:
+                if self.ahead is None and not ep.finished:
+                    self.ahead = self._make_ahead()
                 if self.ahead is None:
                     return
                 ep = self.ahead
@@ -309,7 +358,7 @@ class Run:
         ep.active += 1
         self.c.requests += 1
         self.c.inflight = len(self._active)
-        self.c.window = self.link.window
+        self.c.window = int(self.link.window)
         return req
 
     async def _fetch(self, req: _Req) -> None:
@@ -366,10 +415,10 @@ class Run:
         if task.cancelled():
             pass  # a hedge twin made it redundant, or the epoch was abandoned
         elif exc is None and not missing:
-            self.link.latencies.append(now - req.start)
+            full = not req.hedge and sum(map(len, req.positions.values())) >= self.request_size
+            self.link.answered(now - req.start, full)
             self.c.rtt = now - req.start if self.c.rtt is None else self.c.rtt * 0.875 + (now - req.start) * 0.125
-            self.link.window = min(self.prefetch.max_inflight, self.link.window + 1)
-            if len(self.link.latencies) >= 8 and len(self.link.latencies) % 8 == 0 and self.hedge.enabled:
+            if full and len(self.link.latencies) >= 8 and len(self.link.latencies) % 8 == 0 and self.hedge.enabled:
                 p95 = float(np.percentile(np.fromiter(self.link.latencies, float), 95))
                 self.link.hedge_after = max(self.hedge.min_delay, self.hedge.factor * p95)
         else:
@@ -378,7 +427,7 @@ class Run:
             if exc is None:
                 exc = StoreError(f"source answered {len(missing)} of the ids it was asked for with nothing")
             self.c.failures += 1
-            self.link.window = max(self.prefetch.initial_inflight, self.link.window // 2)
+            self.link.failed()
         if missing and live:
             self._retry_later(ep, missing, exc or StoreError("request cancelled"), now)
         if req.twin is not None and req.twin.twin is req:
@@ -421,7 +470,6 @@ class Run:
             raise err from exc
         ep.completed.add(pos)
         ep.skipped_count += 1
-        self.c.skipped += 1
         self._deliver(ep, pos, None, 0)
 
     # --- batch assembly --------------------------------------------------------
@@ -464,8 +512,6 @@ class Run:
         )
         ep.skipped = []
         ep.partial_bytes -= nbytes
-        self.c.samples += len(items)
-        self.c.batches += 1
         if ep is self.current:
             self._emit(batch)
         else:

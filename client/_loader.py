@@ -274,19 +274,25 @@ class Loader:
 
     def _accept(self, item) -> Batch:
         run, delivered = self._run, self._delivered
+        c = self._counters
         if isinstance(item, Batch):
             self._lt.loop.call_soon_threadsafe(run.release, item.nbytes)
             for p in item.positions.tolist():
                 delivered.add(p)
             for p in item.skipped:
                 delivered.add(p)
+            c.samples += len(item)
+            c.batches += 1
+            c.skipped += len(item.skipped)
             return item
         if isinstance(item, EndOfEpoch):
             # the run goes on into the next epoch, already prefetched
             for p in item.skipped:
                 delivered.add(p)
+            c.skipped += len(item.skipped)
             self.epoch += 1
             self._delivered = Progress(len(self._plan_for(self.epoch)))
+            self._lt.loop.call_soon_threadsafe(run.consumer_at, self.epoch)
             raise StopIteration
         self._stop_run()
         raise item.exc

@@ -52,7 +52,11 @@ class Prefetch:
     """The window of requests in flight and the memory budget.
 
     The window starts at ``initial_inflight`` requests and grows by one per
-    completed request (doubling per round trip) up to ``max_inflight``.
+    completed request (doubling per round trip) up to ``max_inflight``; with
+    ``adaptive`` it stops growing, and shrinks, once answers queue at the
+    bottleneck (latency above the lowest recent latency by more than a few
+    requests' worth, as TCP Vegas does), so it holds what hides the link's
+    latency and no more.
     ``max_bytes`` caps bytes in flight (estimated from the running mean sample
     size) plus bytes ready but not yet taken by the consumer. ``request_size``
     is the ids per request; None lets the source choose (its
@@ -65,6 +69,7 @@ class Prefetch:
     request_size: int | None = None
     #: assumed bytes per sample until the first answers arrive
     sample_bytes_hint: int = 128 << 10
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         _check(self.max_inflight >= 1, "max_inflight must be >= 1")

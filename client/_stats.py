@@ -9,7 +9,8 @@ __all__ = ["Counters", "Stats"]
 
 
 class Counters:
-    """Mutated by the engine's loop (and ``stall`` by the consumer); read anywhere."""
+    """Mutated by the engine's loop (``samples``, ``batches``, ``skipped`` and
+    ``stall`` by the consumer, as it takes batches); read anywhere."""
 
     def __init__(self) -> None:
         self.started = time.monotonic()

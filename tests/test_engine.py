@@ -341,3 +341,13 @@ def test_in_order_holds_across_prefetched_epochs():
     with Loader(src, "d", batch_size=32, order="input", plan=plan) as loader:
         for epoch in range(2):
             assert drain(loader) == make_plan(idl, epoch, plan).ids.tolist()
+
+
+def test_look_ahead_stops_one_epoch_beyond_the_consumer():
+    src = MemorySource.synthetic("d", 100, size=64)
+    with Loader(src, "d", batch_size=10, prefetch=Prefetch(request_size=10), hedge=Hedge(enabled=False)) as loader:
+        assert sorted(drain(loader)) == list(range(100))  # epoch 0 consumed: the consumer is on epoch 1
+        time.sleep(0.3)  # and stops: the engine may fetch epochs 1 and 2 (10 requests each), never 3, 4, ...
+        assert src.requests <= 30
+        assert loader.stats().samples == 100
+        assert sorted(drain(loader)) == list(range(100))
