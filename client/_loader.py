@@ -120,7 +120,9 @@ class Loader:
     bound to the engine's event loop); the loader opens the last three on its
     loop and closes them.
     The epoch's ids come from ``ids`` when given, else from the source's
-    ``read_split(dataset, split)``.
+    ``read_split(dataset, split)``. ``log_interval`` logs a :class:`Stats`
+    line to the ``dataferry.client`` logger every that many seconds;
+    ``stats()`` returns one at any time.
     """
 
     def __init__(
@@ -139,9 +141,12 @@ class Loader:
         hedge: Hedge = Hedge(),
         errors: ErrorPolicy = ErrorPolicy(),
         epoch: int = 0,
+        log_interval: float | None = None,
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, not {batch_size}")
+        if log_interval is not None and log_interval <= 0:
+            raise ConfigError(f"log_interval must be > 0 seconds, not {log_interval}")
         if order not in ("completion", "input"):
             raise ConfigError(f"order must be 'completion' or 'input', not {order!r}")
         if ids is None and hasattr(source, "fetch") and not hasattr(source, "read_split"):
@@ -168,6 +173,15 @@ class Loader:
             self._finalizer()
             raise
         self._state["source"] = (self._source, owned)
+        if log_interval is not None:
+            self._lt.loop.call_soon_threadsafe(self._log_stats, log_interval)
+
+    def _log_stats(self, interval: float) -> None:
+        """On the loop: log a stats line to ``dataferry.client`` every ``interval`` s."""
+        if self._closed:
+            return
+        log.info("%s: %s", self.dataset, self._counters.snapshot())
+        self._lt.loop.call_later(interval, self._log_stats, interval)
 
     # --- epochs ------------------------------------------------------------------
     def _idlist(self) -> IdList:

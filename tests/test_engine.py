@@ -351,3 +351,19 @@ def test_look_ahead_stops_one_epoch_beyond_the_consumer():
         assert src.requests <= 30
         assert loader.stats().samples == 100
         assert sorted(drain(loader)) == list(range(100))
+
+
+def test_stats_are_logged_every_interval(caplog):
+    import logging
+
+    src = JitterSource("d", synthetic(400).samples.values(), lo=0.01, hi=0.02)
+    with caplog.at_level(logging.INFO, logger="dataferry.client"):
+        with Loader(src, "d", batch_size=20, log_interval=0.05) as loader:
+            drain(loader)
+            time.sleep(0.12)
+            stats = loader.stats()
+    lines = [r.getMessage() for r in caplog.records if r.name == "dataferry.client"]
+    assert len(lines) >= 2 and all(line.startswith("d: ") and "samples" in line for line in lines)
+    assert stats.samples == 400 and stats.batches == 20 and stats.samples_per_s > 0
+    with pytest.raises(ConfigError):
+        Loader(src, "d", log_interval=0)
