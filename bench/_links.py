@@ -4,20 +4,25 @@ A link is told one :class:`Condition` at a time (RTT, loss, rate, jitter) and
 gives back a *route*: ``route((host, port)) -> (host, port)``, the address a
 loader dials to reach that server across the link.
 
-* :class:`ProxyLink`: servers on loopback; per condition, one
-  ``dataferry latency-proxy`` process per server, delaying every byte by
-  RTT/2 each way. It runs in its own process so that its CPU is not counted as
-  the client's and it does not share the client's GIL. It cannot drop
-  packets: a loss above zero is not applicable (``unsupported``).
-* :class:`NetemLink`: the topology of ``deploy/netem/`` (this process runs in
-  ``PREFIX-cli``, servers are started in ``PREFIX-srv`` through ``wrap``);
-  each condition is applied to both veth ends with ``shape.sh``; routes are
-  the servers' own addresses.
+* :class:`ProxyLink` (``--link proxy``): servers on loopback; per condition,
+  one ``dataferry latency-proxy`` process per server, delaying every byte by
+  RTT/2 each way. The proxy runs in its own process so that its CPU is not
+  counted as the client's and it does not share the client's GIL. It cannot
+  drop packets (a loss above zero is not applicable), and its rate caps each
+  TCP connection on its own, not the link.
+* :class:`NamespaceLink` (``--link netem`` and ``--link veth``): the topology
+  of ``deploy/netem/``; this process runs in ``PREFIX-cli`` and servers are
+  started in ``PREFIX-srv`` through ``wrap``. With netem, ``shape.sh`` puts
+  delay, jitter, loss and rate on both veth ends and routes are the servers'
+  own addresses. Without netem (``veth``), the rate is a ``tbf`` on both ends,
+  one cap for all connections like a real link, and the delay comes from
+  latency-proxy processes in the server namespace; loss is not applicable.
 
-Both start the development Cassandra for the CQL path (:meth:`cassandra`).
-``python -m dataferry.bench._links cassandra --host H`` is the server-side
-half for netem: Cassandra 1.2 listens on its namespace's loopback only, so a
-plain forwarder (the latency proxy with no delay) exposes it on ``H``.
+Both start the development Cassandra for the CQL path (``cassandra``) with
+:func:`~._common.prepared_store`. ``python -m dataferry.bench._links
+cassandra --host H --images N`` does that in the server namespace: Cassandra
+1.2 listens on its namespace's loopback only, so a plain forwarder (the
+latency proxy with no delay) exposes it on ``H``.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from pathlib import Path
 
 from ._common import announced, prepared_store
 
-__all__ = ["Condition", "ProxyLink", "NetemLink", "NETEM_SCRIPTS"]
+__all__ = ["Condition", "ProxyLink", "NamespaceLink", "NETEM_SCRIPTS"]
 
 #: deploy/netem/ of this checkout (the scripts are not installed with the package)
 NETEM_SCRIPTS = Path(__file__).resolve().parent.parent / "deploy" / "netem"
@@ -60,6 +65,28 @@ class Condition:
         return ", ".join(parts)
 
 
+@contextlib.contextmanager
+def _proxies(cond: Condition, *, host: str, wrap: tuple[str, ...], rate: bool):
+    """Yield a route that starts one latency-proxy process per upstream, listening on ``host``."""
+    with contextlib.ExitStack() as stack:
+        proxies: dict[Address, Address] = {}
+
+        def route(upstream: Address) -> Address:
+            if upstream not in proxies:
+                cmd = [*wrap, sys.executable, "-m", "dataferry.schema._cli", "latency-proxy",
+                       "--listen", f"{host}:0", "--upstream", f"{upstream[0]}:{upstream[1]}",
+                       "--delay", f"{cond.rtt_ms / 2:g}ms", "--jitter", f"{cond.jitter_ms:g}ms"]
+                if rate and cond.rate:
+                    cmd += ["--rate", cond.rate]
+                proxies[upstream] = stack.enter_context(announced(cmd, "the latency proxy"))
+            return proxies[upstream]
+
+        yield route
+
+
+_NO_LOSS = "n/a: the latency proxy does not drop packets (loss needs --link netem)"
+
+
 class ProxyLink:
     """Userspace delay through ``dataferry latency-proxy`` processes on loopback."""
 
@@ -69,85 +96,77 @@ class ProxyLink:
 
     def unsupported(self, cond: Condition) -> str | None:
         """Why ``cond`` cannot be emulated here, or None."""
-        return "n/a: the proxy does not drop packets (loss needs netem)" if cond.loss_pct else None
+        return _NO_LOSS if cond.loss_pct else None
+
+    def emulate(self, cond: Condition):
+        return _proxies(cond, host=self.host, wrap=self.wrap, rate=True)
 
     @contextlib.contextmanager
-    def emulate(self, cond: Condition):
-        with contextlib.ExitStack() as stack:
-            proxies: dict[Address, Address] = {}
-
-            def route(upstream: Address) -> Address:
-                if upstream not in proxies:
-                    cmd = [sys.executable, "-m", "dataferry.schema._cli", "latency-proxy",
-                           "--listen", f"{self.host}:0", "--upstream", f"{upstream[0]}:{upstream[1]}",
-                           "--delay", f"{cond.rtt_ms / 2:g}ms", "--jitter", f"{cond.jitter_ms:g}ms"]
-                    if cond.rate:
-                        cmd += ["--rate", cond.rate]
-                    proxies[upstream] = stack.enter_context(announced(cmd, "the latency proxy"))
-                return proxies[upstream]
-
-            yield route
-
     def cassandra(self, images: int):
-        """``(store url, (host, port))`` of a Cassandra 1.2 holding the bench dataset (a context manager)."""
-        return _cassandra_on_loopback(images)
+        """``(store url, (host, port))`` of a Cassandra 1.2 holding the bench dataset."""
+        with prepared_store("cassandra", images) as (url, address, _):
+            yield url, address
 
 
-@contextlib.contextmanager
-def _cassandra_on_loopback(images: int):
-    with prepared_store("cassandra", images) as (url, address, _):
-        yield url, address
+class NamespaceLink:
+    """The deploy/netem/ topology named ``prefix``; this process runs in its client namespace.
 
+    ``netem=True``: kernel delay, jitter, loss and rate. ``netem=False``: a tbf
+    rate on the veth, and the delay from latency proxies in the server namespace.
+    """
 
-class NetemLink:
-    """Kernel shaping of the deploy/netem/ topology named ``prefix``; this process runs in its client namespace."""
-
-    name = "netem"
-
-    def __init__(self, prefix: str, subnet: str = "10.77.0") -> None:
+    def __init__(self, prefix: str, *, netem: bool, subnet: str = "10.77.0") -> None:
         self.prefix = prefix
+        self.netem = netem
+        self.name = "netem" if netem else "veth"
         self.host = f"{subnet}.1"
         self.wrap = ("ip", "netns", "exec", f"{prefix}-srv")
 
     def unsupported(self, cond: Condition) -> str | None:
-        return None  # the caller checked for netem before building the topology
+        return None if self.netem or not cond.loss_pct else _NO_LOSS
 
     @contextlib.contextmanager
     def emulate(self, cond: Condition):
-        args = [str(NETEM_SCRIPTS / "shape.sh"), "--prefix", self.prefix]
-        if cond.rtt_ms or cond.jitter_ms:
+        unshaped = [str(NETEM_SCRIPTS / "shape.sh"), "--prefix", self.prefix]
+        args = list(unshaped)
+        if self.netem and (cond.rtt_ms or cond.jitter_ms):
             args += ["--delay", f"{cond.rtt_ms / 2:g}ms", "--jitter", f"{cond.jitter_ms:g}ms"]
-        if cond.loss_pct:
+        if self.netem and cond.loss_pct:
             args += ["--loss", f"{cond.loss_pct:g}%"]
         if cond.rate:
             args += ["--rate", cond.rate]
         subprocess.run(args, check=True, stderr=subprocess.DEVNULL)
         try:
-            yield lambda upstream: upstream
+            if self.netem:
+                yield lambda upstream: upstream
+            else:
+                with _proxies(cond, host=self.host, wrap=self.wrap, rate=False) as route:
+                    yield route
         finally:
-            subprocess.run(args[:3], check=True, stderr=subprocess.DEVNULL)  # unshaped again
+            subprocess.run(unshaped, check=True, stderr=subprocess.DEVNULL)
 
     @contextlib.contextmanager
     def cassandra(self, images: int):
-        cmd = [*self.wrap, sys.executable, "-m", "dataferry.bench._links", "cassandra", "--host", self.host]
+        cmd = [*self.wrap, sys.executable, "-m", "dataferry.bench._links", "cassandra", "--host", self.host,
+               "--images", str(images)]
         with announced(cmd, "Cassandra in the server namespace") as (host, port):
-            url = f"cassandra://{host}:{port}/bench?protocol_version=1"
-            with prepared_store("cassandra", images, store_url=url):  # schema and data over the unshaped veth
-                yield url, (host, port)
+            yield f"cassandra://{host}:{port}/bench?protocol_version=1", (host, port)
 
 
-def _serve_cassandra(host: str) -> int:
-    """Cassandra 1.2 on loopback, forwarded from ``host``; until SIGTERM or SIGINT."""
+def _serve_cassandra(host: str, images: int) -> int:
+    """Cassandra 1.2 on loopback holding the bench dataset, forwarded from ``host``, until SIGTERM or SIGINT."""
     import signal
+    import threading
 
     from dataferry.client import LinkOptions, ProxyThread
-    from dataferry.schema._devcassandra import DevCassandra
 
-    stop = {signal.SIGTERM, signal.SIGINT}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # before any thread starts: they inherit the mask
-    with DevCassandra() as cass, ProxyThread((cass.host, cass.port), LinkOptions(), listen=(host, 0)) as fwd:
-        print(f"cassandra listening on {fwd.address[0]}:{fwd.address[1]}", flush=True)
-        signal.sigwait(stop)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with prepared_store("cassandra", images) as (_, upstream, _), \
+            ProxyThread(upstream, LinkOptions(), listen=(host, 0)) as forwarder:
+        print(f"cassandra listening on {forwarder.address[0]}:{forwarder.address[1]}", flush=True)
+        stop.wait()
     return 0
 
 
@@ -155,4 +174,6 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="python -m dataferry.bench._links")
     p.add_argument("role", choices=["cassandra"])
     p.add_argument("--host", required=True)
-    sys.exit(_serve_cassandra(p.parse_args().host))
+    p.add_argument("--images", type=int, required=True)
+    args = p.parse_args()
+    sys.exit(_serve_cassandra(args.host, args.images))

@@ -1,14 +1,15 @@
 """``dataferry bench``: every loader against RTT, loss and link rate; a table and plots.
 
-    dataferry bench --quick                 # a few minutes: 3 RTTs, 2 runs each, 600 images
+    dataferry bench --quick                 # about 4 minutes: 3 RTTs, 2 runs each, 600 images
     dataferry bench                         # the full sweep (see bench/results/README.md)
+    sudo dataferry bench --link veth        # a real link-wide rate (tbf), the delay by the proxy
     sudo dataferry bench --link netem       # kernel shaping in namespaces, loss included
 
 Results go to ``--out`` (default ``bench-results/``): ``runs.csv``,
 ``summary.json``, ``table.md``, ``throughput.png``, ``first_batch.png``,
 ``cpu.png``. Exit status 0; 1 when some run failed (its error is in
 ``runs.csv``); 2 for bad options; 3 for ``--link netem`` on a kernel without
-``sch_netem``.
+``sch_netem`` (with a pointer to ``--link proxy`` and ``--link veth``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 __all__ = ["add_cli_arguments", "cli", "QUICK"]
 
 #: what --quick changes (options given explicitly win)
-QUICK = {"images": 600, "rtts": (0, 50, 200), "rates": (None,), "repeats": 2, "seconds": 2.0}
+QUICK = {"images": 600, "rtts": (0, 20, 80), "rates": (None,), "repeats": 2, "seconds": 2.0}
 EXIT_NO_NETEM = 3
 
 
@@ -40,11 +41,12 @@ def _rates(text: str) -> tuple[str | None, ...]:
 
 def add_cli_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="a short run: 600 images, RTT 0,50,200, unlimited rate, 2 runs of 2 s (under 5 minutes)")
+                   help="a short run: 600 images, RTT 0,20,80, unlimited rate, 2 runs of 2 s (about 4 minutes)")
     p.add_argument("--out", default="bench-results", metavar="DIR", help="where results go (default: bench-results)")
-    p.add_argument("--link", choices=("proxy", "netem"), default="proxy",
-                   help="proxy: dataferry latency-proxy processes on loopback (default; no loss); "
-                        "netem: tc in network namespaces (root, sch_netem; deploy/netem/)")
+    p.add_argument("--link", choices=("proxy", "veth", "netem"), default="proxy",
+                   help="proxy: latency-proxy processes on loopback (default; no loss; the rate caps each connection); "
+                        "veth: network namespaces, a tbf link rate and latency proxies for the delay (root; no loss); "
+                        "netem: network namespaces shaped by tc netem (root and sch_netem); see deploy/netem/")
     g = p.add_argument_group("the sweep (defaults: the full sweep)")
     g.add_argument("--rtt", type=_floats, dest="rtts", metavar="MS,...", help="round-trip times (default: 0,10,50,100,200)")
     g.add_argument("--loss", type=_floats, dest="losses", metavar="PCT,...",
@@ -78,31 +80,50 @@ def options_from(args: argparse.Namespace):
 
 
 def cli(args: argparse.Namespace) -> int:
-    from .sweep import ProxyLink, run_and_report
+    from ._links import ProxyLink
+    from .sweep import run_and_report
 
     opts = options_from(args)
-    command = "dataferry bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else _command(args)
     out = Path(args.out)
     if args.link == "proxy":
-        return run_and_report(opts, ProxyLink(), out, command)
-    return _run_netem(opts, out, args.netem_prefix, command)
+        return run_and_report(opts, ProxyLink(), out, command_line(args))
+    return _run_in_namespaces(opts, out, args.netem_prefix, args.link, command_line(args))
 
 
-def _command(args: argparse.Namespace) -> str:
-    return "dataferry bench" + (" --quick" if args.quick else "")
+def command_line(args: argparse.Namespace) -> str:
+    """The ``dataferry bench`` command that repeats this sweep: the options given, as given."""
+    words = ["dataferry", "bench"]
+    if args.quick:
+        words.append("--quick")
+    if args.link != "proxy":
+        words += ["--link", args.link]
+    if args.no_cql:
+        words.append("--no-cql")
+    for key, flag in (("rtts", "--rtt"), ("losses", "--loss"), ("rates", "--rate"), ("loaders", "--loaders")):
+        value = getattr(args, key)
+        if value is not None:
+            words += [flag, ",".join("unlimited" if v is None else f"{v:g}" if isinstance(v, float) else v
+                                     for v in value)]
+    for key in ("jitter_ms", "images", "repeats", "seconds", "batch_size", "workers", "inflight", "concurrency",
+                "shard_mb"):
+        value = getattr(args, key)
+        if value is not None:
+            flag = "--jitter" if key == "jitter_ms" else "--" + key.replace("_", "-")
+            words += [flag, f"{value:g}"]
+    return " ".join(words)
 
 
-def _run_netem(opts, out: Path, prefix: str, command: str) -> int:
-    """Build the topology, run the sweep inside its client namespace, tear it down."""
+def _run_in_namespaces(opts, out: Path, prefix: str, kind: str, command: str) -> int:
+    """Build the deploy/netem/ topology, run the sweep inside its client namespace, tear it down."""
     from dataferry.schema import ConfigError
 
     from ._links import NETEM_SCRIPTS
 
     if not (NETEM_SCRIPTS / "up.sh").is_file():
-        raise ConfigError(f"--link netem needs the scripts of a dataferry checkout; {NETEM_SCRIPTS} has none")
+        raise ConfigError(f"--link {kind} needs the scripts of a dataferry checkout; {NETEM_SCRIPTS} has none")
     if os.geteuid() != 0:
-        raise ConfigError("--link netem builds network namespaces and qdiscs: run it as root (sudo)")
-    if any(c.rtt_ms or c.loss_pct or c.jitter_ms for c in opts.conditions()):
+        raise ConfigError(f"--link {kind} builds network namespaces and qdiscs: run it as root (sudo)")
+    if kind == "netem" and any(c.rtt_ms or c.loss_pct or c.jitter_ms for c in opts.conditions()):
         check = subprocess.run([NETEM_SCRIPTS / "check.sh"])  # prints the pointer to the proxy when it fails
         if check.returncode == EXIT_NO_NETEM:
             return EXIT_NO_NETEM
@@ -110,8 +131,8 @@ def _run_netem(opts, out: Path, prefix: str, command: str) -> int:
             raise ConfigError(f"the netem probe failed ({NETEM_SCRIPTS / 'check.sh'} exited {check.returncode})")
     subprocess.run([NETEM_SCRIPTS / "up.sh", "--prefix", prefix], check=True)
     try:
-        child = [sys.executable, "-m", "dataferry.bench.sweep", "--netns-prefix", prefix, "--out", str(out.resolve()),
-                 "--options", json.dumps(opts.to_json()), "--command", command]
+        child = [sys.executable, "-m", "dataferry.bench.sweep", "--netns-prefix", prefix, "--link", kind,
+                 "--out", str(out.resolve()), "--options", json.dumps(opts.to_json()), "--command", command]
         return subprocess.run(["ip", "netns", "exec", f"{prefix}-cli", *child]).returncode
     finally:
         subprocess.run([NETEM_SCRIPTS / "down.sh", "--prefix", prefix], check=False)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._common import Measurement, all_ids, data_server, measure_loader, prepared_store
-from ._links import Condition, NetemLink, ProxyLink
+from ._links import Condition, NamespaceLink, ProxyLink
 
 __all__ = ["LOADERS", "SweepOptions", "Run", "Sweep", "run_sweep", "summarize", "run_and_report", "write_results"]
 
@@ -277,17 +277,19 @@ def run_and_report(opts: SweepOptions, link, out: Path, command: str) -> int:
 
 
 def _netns_child(argv: list[str] | None = None) -> int:
-    """The half of ``dataferry bench --link netem`` that runs inside the client namespace."""
+    """The half of ``dataferry bench --link netem|veth`` that runs inside the client namespace."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m dataferry.bench.sweep")
     p.add_argument("--netns-prefix", required=True)
+    p.add_argument("--link", choices=("netem", "veth"), required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--options", required=True, help="SweepOptions as JSON")
     p.add_argument("--command", default="")
     args = p.parse_args(argv)
     opts = SweepOptions.from_json(json.loads(args.options))
-    return run_and_report(opts, NetemLink(args.netns_prefix), Path(args.out), args.command)
+    link = NamespaceLink(args.netns_prefix, netem=args.link == "netem")
+    return run_and_report(opts, link, Path(args.out), args.command)
 
 
 if __name__ == "__main__":

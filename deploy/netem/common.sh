@@ -56,7 +56,8 @@ readonly NO_NETEM_HINT="this kernel has no sch_netem, so tc cannot add delay, ji
 Use the userspace link emulator instead (delay, jitter and rate, no loss):
     dataferry latency-proxy --listen 127.0.0.1:9043 --upstream HOST:PORT --delay 50ms [--jitter 5ms] [--rate 1gbit]
 or run the bench through it: dataferry bench --link proxy
-(rate limits alone work without netem here: --rate uses tbf)"
+(a rate alone works without netem: --rate uses tbf; dataferry bench --link veth
+puts a tbf rate on this topology and the proxy's delay on top)"
 
 # Probe for sch_netem on a throwaway veth pair in a throwaway network namespace
 # (unshare -n: the namespace and the pair vanish when the probe exits).
