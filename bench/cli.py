@@ -60,7 +60,7 @@ def add_cli_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--images", type=int, help="synthetic ~110 KB JPEGs (default: 2000)")
     g.add_argument("--repeats", type=int, help="runs per loader and condition; the medians are reported (default: 3)")
     g.add_argument("--seconds", type=float, help="steady-state seconds per run (default: 5)")
-    g.add_argument("--batch-size", type=int)
+    g.add_argument("--batch-size", type=int, help="samples per batch, every loader (default: 64)")
     g.add_argument("--workers", type=int, help="DataLoader workers of the naive and WebDataset loaders "
                                                "(default: 4, at most the cores)")
     g.add_argument("--inflight", type=int, help="the engine's max requests in flight (default: 64)")
@@ -99,6 +99,8 @@ def command_line(args: argparse.Namespace) -> str:
         words += ["--link", args.link]
     if args.no_cql:
         words.append("--no-cql")
+    if args.out != "bench-results":
+        words += ["--out", args.out]
     for key, flag in (("rtts", "--rtt"), ("losses", "--loss"), ("rates", "--rate"), ("loaders", "--loaders")):
         value = getattr(args, key)
         if value is not None:
@@ -129,7 +131,9 @@ def _run_in_namespaces(opts, out: Path, prefix: str, kind: str, command: str) ->
             return EXIT_NO_NETEM
         if check.returncode != 0:
             raise ConfigError(f"the netem probe failed ({NETEM_SCRIPTS / 'check.sh'} exited {check.returncode})")
-    subprocess.run([NETEM_SCRIPTS / "up.sh", "--prefix", prefix], check=True)
+    if subprocess.run([NETEM_SCRIPTS / "up.sh", "--prefix", prefix]).returncode != 0:
+        raise ConfigError(f"could not build the namespaces (see above); a topology left by an earlier run goes with "
+                          f"{NETEM_SCRIPTS / 'down.sh'} --prefix {prefix}")
     try:
         child = [sys.executable, "-m", "dataferry.bench.sweep", "--netns-prefix", prefix, "--link", kind,
                  "--out", str(out.resolve()), "--options", json.dumps(opts.to_json()), "--command", command]

@@ -53,7 +53,8 @@ def test_tiny_sweep_writes_runs_summary_table_and_plots(tmp_path):
 
     doc = json.loads((out / "summary.json").read_text())
     assert doc["meta"]["link"] == "proxy" and doc["meta"]["images"] == 120
-    assert doc["meta"]["command"].startswith("dataferry bench --rtt 0 --loss 0,0.1")
+    assert doc["meta"]["command"].startswith("dataferry bench --out ")
+    assert "--rtt 0 --loss 0,0.1 --rate unlimited --loaders " in doc["meta"]["command"]
     assert {(r["loader"], r["loss_pct"]) for r in doc["summary"]} == {(n, loss) for n in loaders for loss in (0, 0.1)}
 
     table = (out / "table.md").read_text()
