@@ -46,31 +46,32 @@ def cpu_seconds() -> float:
 def measure_loader(make: Callable[[], Iterator], *, seconds: float, max_samples: int) -> Measurement:
     """Iterate the batches of ``make()`` for about ``seconds`` (or ``max_samples``).
 
-    Each batch is ``(n_samples, n_bytes)``. Throughput is counted after the first batch, so it is the steady
-    state; the time to first batch is reported on its own.
+    Each batch is ``(n_samples, n_bytes)``. Throughput is counted from the first batch to the last, so it is
+    the steady state; the time to first batch is reported on its own. CPU covers the whole run, closing included.
     """
     c0 = cpu_seconds()
     t0 = time.perf_counter()
-    first = None
+    first = last = None
     samples = nbytes = first_samples = 0
     it = make()
     try:
         for n, b in it:
-            now = time.perf_counter()
+            last = time.perf_counter()
             if first is None:
-                first = now
+                first = last
                 first_samples = n
             else:
                 samples += n
                 nbytes += b
-            if now - first >= seconds or samples >= max_samples:
+            if last - first >= seconds or samples >= max_samples:
                 break
     finally:
         close = getattr(it, "close", None)
         if close is not None:
-            close()
-    end = time.perf_counter()
-    return Measurement(samples, nbytes, end - (first or end), (first or end) - t0, cpu_seconds() - c0, first_samples)
+            close()  # its CPU counts (workers are reaped here), its time does not: a worker may finish a batch first
+    if first is None:
+        first = last = time.perf_counter()
+    return Measurement(samples, nbytes, last - first, first - t0, cpu_seconds() - c0, first_samples)
 
 
 def median_of(runs: list[Measurement]) -> Measurement:

@@ -2,10 +2,13 @@
 
 For each :class:`~._links.Condition` (RTT x loss x rate) the link is set up
 once, then each loader runs ``repeats`` times, the loaders interleaved so that
-a burst of noise from a neighbour does not land on one loader's runs only. A
-run measures (:func:`~._common.measure_loader`) the steady-state throughput
-after the first batch, the time to the first batch, and the client's CPU
-seconds per 1,000 samples, DataLoader workers included. A run that fails is
+a burst of noise from a neighbour does not land on one loader's runs only.
+Each run happens in a fresh process (forked from a forkserver that has the
+loaders imported) and measures (:func:`~._common.measure_loader`) the
+steady-state throughput from the first batch to the last, the time to the
+first batch, and the client's CPU seconds per 1,000 samples, its DataLoader
+workers included. Servers and link emulators run in processes of their own,
+so their CPU is not the client's. A run that fails is
 recorded with its error and the sweep goes on; a condition the link cannot
 emulate (loss through the proxy) is recorded as not applicable.
 
@@ -157,35 +160,84 @@ def _start(stack: contextlib.ExitStack, opts: SweepOptions, link) -> tuple[_Serv
     return _Servers(ids, http, files, shards, cql_url, cql), meta
 
 
-def _factory(name: str, servers: _Servers, route, opts: SweepOptions):
+def _factory(name: str, servers: _Servers, opts: SweepOptions):
+    """The loader ``name`` reading ``servers`` (already routed across the link)."""
     from ._loaders import NaiveCqlDataset, NaiveHttpDataset, naive, ours, with_options
     from .webdataset_baseline import webdataset_loader
 
     if name == "webdataset":
-        host, port = route(servers.files)
+        host, port = servers.files
         urls = [f"http://{host}:{port}/{shard}" for shard in servers.shards]
         return webdataset_loader(urls, batch_size=opts.batch_size, workers=opts.workers)
     path, _, kind = name.partition("-")
     order = "input" if kind == "inorder" else "completion"
     if path == "http":
-        host, port = route(servers.http)
+        host, port = servers.http
         if kind == "naive":
             return naive(NaiveHttpDataset((host, port), DATASET, servers.ids), batch_size=opts.batch_size,
                          workers=opts.workers)
         return ours(f"http://{host}:{port}", DATASET, order=order, batch_size=opts.batch_size, inflight=opts.inflight)
-    host, port = route(servers.cql)
+    host, port = servers.cql
     url = with_options(servers.cql_url, host, port, concurrency=opts.concurrency, request_timeout=30)
     if kind == "naive":
         return naive(NaiveCqlDataset(url, DATASET, servers.ids), batch_size=opts.batch_size, workers=opts.workers)
     return ours(url, DATASET, order=order, batch_size=opts.batch_size, inflight=opts.inflight)
 
 
+def _routed(name: str, servers: _Servers, route) -> _Servers:
+    """``servers`` with the one ``name`` reads replaced by its address across the link."""
+    field = "files" if name == "webdataset" else name.partition("-")[0]  # "http" or "cql"
+    return dataclasses.replace(servers, **{field: route(getattr(servers, field))})
+
+
+#: Each run gets a fresh process forked from a forkserver that has imported the
+#: loaders: a run cannot inherit another's threads, sockets or leftovers (an
+#: idle cassandra-driver event loop has been seen to spin a core half a minute
+#: after a CQL Loader closed), and its CPU is its own and its workers'.
+_PRELOAD = ["dataferry.bench._loaders", "dataferry.bench.webdataset_baseline", "dataferry.client", "numpy",
+            "torch.utils.data", "webdataset", "cassandra.cluster"]
+
+
+def _measure_in_child(conn, name: str, servers: _Servers, opts: SweepOptions) -> None:
+    try:
+        conn.send(measure_loader(_factory(name, servers, opts), seconds=opts.seconds, max_samples=opts.max_samples))
+    except Exception as exc:  # noqa: BLE001 - reported by the parent
+        conn.send(f"{type(exc).__name__}: {exc}")
+    finally:
+        conn.close()
+
+
+def _measure_isolated(name: str, servers: _Servers, opts: SweepOptions) -> Measurement:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_measure_in_child, args=(send, name, servers, opts), name=f"bench-{name}")
+    proc.start()
+    send.close()
+    try:
+        result = receive.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"the measuring process died (exit code {proc.exitcode})") from None
+    finally:
+        receive.close()
+    proc.join(30)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+    if isinstance(result, str):
+        raise RuntimeError(result)
+    return result
+
+
 def _run_one(name: str, cond: Condition, repeat: int, servers: _Servers, route, opts: SweepOptions) -> Run:
     try:
-        m = measure_loader(_factory(name, servers, route, opts), seconds=opts.seconds, max_samples=opts.max_samples)
+        m = _measure_isolated(name, _routed(name, servers, route), opts)
     except Exception as exc:  # noqa: BLE001 - recorded, and the sweep goes on
         _log(f"  {name:<13} run {repeat + 1}: failed: {type(exc).__name__}: {exc}")
-        return Run(name, cond, repeat, f"error: {type(exc).__name__}: {exc}")
+        return Run(name, cond, repeat, f"error: {exc}")
     _log(f"  {name:<13} run {repeat + 1}: {m.samples_per_s:>8,.0f} samples/s {m.mb_per_s:>7,.1f} MB/s  "
          f"first batch {m.first_batch:5.2f} s  cpu {m.cpu_per_1k:5.2f} s/1k")
     return Run(name, cond, repeat, "ok", m)
