@@ -1,6 +1,6 @@
 """``dataferry bench``: every loader against RTT, loss and link rate; a table and plots.
 
-    dataferry bench --quick                 # about 4 minutes: 3 RTTs, 2 runs each, 600 images
+    dataferry bench --quick                 # about 3.5 minutes: 3 RTTs, 2 runs each, 600 images
     dataferry bench                         # the full sweep (see bench/results/README.md)
     sudo dataferry bench --link veth        # a real link-wide rate (tbf), the delay by the proxy
     sudo dataferry bench --link netem       # kernel shaping in namespaces, loss included
@@ -24,7 +24,7 @@ from pathlib import Path
 __all__ = ["add_cli_arguments", "cli", "QUICK"]
 
 #: what --quick changes (options given explicitly win)
-QUICK = {"images": 600, "rtts": (0, 20, 80), "rates": (None,), "repeats": 2, "seconds": 2.0}
+QUICK = {"images": 600, "rtts": (0, 20, 50), "rates": (None,), "repeats": 2, "seconds": 2.0}
 EXIT_NO_NETEM = 3
 
 
@@ -41,7 +41,7 @@ def _rates(text: str) -> tuple[str | None, ...]:
 
 def add_cli_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="a short run: 600 images, RTT 0,20,80, unlimited rate, 2 runs of 2 s (about 4 minutes)")
+                   help="a short run: 600 images, RTT 0,20,50, unlimited rate, 2 runs of 2 s (about 3.5 minutes)")
     p.add_argument("--out", default="bench-results", metavar="DIR", help="where results go (default: bench-results)")
     p.add_argument("--link", choices=("proxy", "veth", "netem"), default="proxy",
                    help="proxy: latency-proxy processes on loopback (default; no loss; the rate caps each connection); "
