@@ -86,6 +86,9 @@ def render_markdown(doc: dict) -> str:
         "",
         f"Command: `{meta.get('command', '')}`",
         "",
+        *(["Through `--link proxy` a rate caps each TCP connection on its own, not the link (`--link veth` and "
+           "`--link netem` cap the link).", ""] if meta["link"] == "proxy" and any(r["rate"] for r in doc["summary"])
+          else []),
         *(f"- `{name}`: {text}" for name, text in doc["loaders"].items()
           if any(r["loader"] == name for r in doc["summary"])),
     ]

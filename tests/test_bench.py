@@ -99,6 +99,7 @@ def test_report_pivots_every_measure_and_marks_gaps(tmp_path):
     assert "| http-naive | 1,000 | 167 | 48 | 5% |" in flat
     assert "| webdataset | 1,000 | 167 | failed | - |" in flat
     assert "http-inorder" not in table  # not in the sweep, not in the tables
+    assert "a rate caps each TCP connection on its own" in table  # the proxy's rate is not a link rate
     paths = write_plots(doc, tmp_path)
     assert [p.name for p in paths] == list(PNGS)
     assert all(p.stat().st_size < 200_000 for p in paths)
