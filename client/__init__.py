@@ -6,13 +6,14 @@ See ``README.md`` in this folder for a map of the files and the data flow.
 from ._dali import DaliIterator, DaliOptions
 from ._engine import Batch, SampleFailed
 from ._http import HttpOptions, HttpSource, RequestRejected, TokenRefused
+from ._imagebatch import ImageBatch
 from ._loader import Loader
 from ._memory import Faults, FaultySource, MemorySource
 from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
 from ._plan import EpochPlan, make_plan
 from ._proxy import LatencyProxy, LinkOptions, ProxyStats, ProxyThread, parse_duration, parse_rate
 from ._stats import Stats
-from ._torch import ImageBatch, TorchIterator
+from ._torch import TorchIterator
 from ._transforms import EvalTransform, TargetKind, TrainTransform, encode_mask, encode_multilabel
 
 __all__ = [

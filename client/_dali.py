@@ -11,7 +11,10 @@
            masks: decoders.image_slice (cpu, GRAY) ─► resize NN ─► flip ─► .gpu()
                       │                                                        │
                       ▼                                                        ▼
-    DaliIterator.__next__ ─► ImageBatch (torch tensors) ◄── ids, labels, multilabel
+           graph(images[, masks]): your own DALI operators, if any             │
+                      │                                                        │
+                      ▼                                                        ▼
+    DaliIterator.__next__ ─► ImageBatch (torch tensors) ◄── ids, labels, multilabel ─► map
 
 **Batches.** The external source runs in batch mode: each call returns the
 loader's next batch, whatever its length, so the loader's partial last batch
@@ -42,6 +45,25 @@ reference-counted and never overwritten by later iterations.
 in the in-flight queue, which DALI's strict FIFO order keeps matched with the
 outputs (the batch lengths are checked).
 
+**Your own operators.** ``DaliIterator(..., graph=f)`` calls ``f`` once,
+inside the pipeline definition, with the stock outputs as DALI data nodes:
+``f(images)``, or ``f(images, masks)`` with ``targets="mask"``; it adds any
+``nvidia.dali.fn`` operators and returns as many outputs, in the same order.
+``images`` are what the stock graph makes: float32 CHW, normalized, with a
+transform; uint8 HWC at their own sizes without one (masks: HW1 uint8),
+on the pipeline's device. Keep the layout, so the outputs convert as the
+stock ones do. For example, a random vertical flip on top of the stock
+augmentation::
+
+    from nvidia.dali import fn
+    DaliIterator(loader, TrainTransform(),
+                 graph=lambda images: fn.flip(images, horizontal=0, vertical=fn.random.coin_flip()))
+
+The epochs, resume (leaving out the batches fed and not yet out), the
+batch type and the ``map`` hook (a Python function on each
+:class:`ImageBatch`, after DALI) are shared with the PyTorch path: see
+``_imagebatch.py``.
+
 **Devices.** ``DaliOptions(device=None)`` picks ``"gpu"`` when DALI sees a
 CUDA device and torch has CUDA, else ``"cpu"``. On several GPUs each rank's
 iterator uses its own ``device_id`` (default: ``torch.cuda.current_device()``,
@@ -55,6 +77,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -62,8 +85,9 @@ import numpy as np
 
 from dataferry.schema._errors import ConfigError, DataferryError
 
-from ._transforms import EvalTransform, TargetKind, Transform, TrainTransform, check_targets
-from ._torch import ImageBatch, Prepared, import_torch, prepare, state_without, to_batch
+from ._engine import Batch
+from ._imagebatch import ImageBatch, ImageIterator, Prepared, prepare
+from ._transforms import EvalTransform, TargetKind, Transform
 
 __all__ = ["DaliOptions", "DaliIterator", "dali_gpu_count", "import_dali", "build_pipeline"]
 
@@ -142,10 +166,10 @@ class DaliOptions:
 
 
 def build_pipeline(source, transform: Transform, *, targets: TargetKind, batch_size: int, device: str,
-                   device_id: int | None, options: DaliOptions):
+                   device_id: int | None, options: DaliOptions, graph: Callable | None = None):
     """The DALI pipeline (not built). ``source()`` returns one batch as
     :func:`feed_arrays` makes it and raises StopIteration at the end of an
-    epoch. Outputs: images[, masks]."""
+    epoch. Outputs: images[, masks], through ``graph`` if given."""
     dali = import_dali()
     fn, types = dali.fn, dali.types
     crop, mask = transform is not None, targets == "mask"
@@ -180,11 +204,24 @@ def build_pipeline(source, transform: Transform, *, targets: TargetKind, batch_s
                 masks = fn.decoders.image_slice(inputs[4], anchors, shapes, **mdec, **slice_args)
                 masks = fn.resize(masks, size=(s, s), interp_type=types.INTERP_NN, antialias=False)
                 masks = fn.flip(masks, horizontal=flips)
-        if masks is None:
-            return images
-        return images, (masks.gpu() if device == "gpu" else masks)
+        outs = (images,) if masks is None else (images, masks.gpu() if device == "gpu" else masks)
+        return outs if graph is None else _call_graph(graph, outs, dali.data_node.DataNode)
 
     return pipe()
+
+
+def _call_graph(graph: Callable, outs: tuple, node_type: type) -> tuple:
+    """``graph(*outs)``, checked to return as many DALI data nodes."""
+    what = "(images, masks)" if len(outs) == 2 else "images"
+    try:
+        got = graph(*outs)
+    except Exception as exc:
+        exc.add_note(f"in graph={graph!r}, called with {what}")
+        raise
+    got = tuple(got) if isinstance(got, (tuple, list)) else (got,)
+    if len(got) != len(outs) or not all(isinstance(g, node_type) for g in got):
+        raise ConfigError(f"graph={graph!r} must return {what} as DALI data nodes, got {got!r}")
+    return got
 
 
 def feed_arrays(prep: Prepared, targets: TargetKind) -> tuple:
@@ -221,14 +258,17 @@ class _Feeder:
         return arrays
 
 
-class DaliIterator:
+class DaliIterator(ImageIterator):
     """Batches of ``loader`` decoded and transformed by DALI, as :class:`ImageBatch`.
 
     ``transform``: :class:`TrainTransform`, :class:`EvalTransform` or None
     (decode only: a list of uint8 HWC tensors). ``targets``: ``"none"``,
     ``"mask"`` or ``"multilabel"``. ``options``: :class:`DaliOptions`.
     ``seed`` (default: the loader's plan seed) keys the crops and flips, which
-    are the same as :class:`TorchIterator`'s for the same seed.
+    are the same as :class:`TorchIterator`'s for the same seed. ``graph``:
+    your own DALI operators after the stock ones (see the module docstring).
+    ``map``: a Python function from :class:`ImageBatch` to
+    :class:`ImageBatch`, applied after DALI, as on the PyTorch path.
 
     ``for batch in it`` runs one epoch of the loader; the last batch is as
     short as the loader's. ``pipeline`` is the built DALI pipeline. The
@@ -243,21 +283,18 @@ class DaliIterator:
         targets: TargetKind = "none",
         options: DaliOptions = DaliOptions(),
         seed: int | None = None,
+        graph: Callable | None = None,
+        map: Callable[[ImageBatch], ImageBatch] | None = None,
     ) -> None:
         import_dali()
-        torch = import_torch()
-        from ._torch import _register_dataset
-
-        _register_dataset(torch)
-        check_targets(targets)
-        if transform is not None and not isinstance(transform, (TrainTransform, EvalTransform)):
-            raise ConfigError(f"transform must be a TrainTransform, an EvalTransform or None, not {transform!r}")
-        self.loader, self.transform, self.targets, self.options = loader, transform, targets, options
-        self.device, self.device_id = options.resolve(torch)
-        self._torch = torch
-        self._feeder = _Feeder(loader, transform, targets, loader.plan_options.seed if seed is None else seed)
+        super().__init__(loader, transform, targets, seed, map)
+        if graph is not None and not callable(graph):
+            raise ConfigError(f"graph must be a function of the DALI outputs, not {graph!r}")
+        self.options = options
+        self.device, self.device_id = options.resolve(self._torch)
+        self._feeder = _Feeder(loader, transform, targets, self.seed)
         pipe = build_pipeline(self._feeder, transform, targets=targets, batch_size=loader.batch_size,
-                              device=self.device, device_id=self.device_id, options=options)
+                              device=self.device, device_id=self.device_id, options=options, graph=graph)
         pipe.build()
         self._state = {"pipeline": pipe}
         self._finalizer = weakref.finalize(self, self._state.clear)
@@ -270,12 +307,6 @@ class DaliIterator:
     @property
     def torch_device(self):
         return self._torch.device("cuda", self.device_id) if self.device == "gpu" else self._torch.device("cpu")
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self) -> DaliIterator:
-        return self
 
     def __next__(self) -> ImageBatch:
         pipe = self._state.get("pipeline")
@@ -303,7 +334,7 @@ class DaliIterator:
         else:
             images = self._tensor(images)
             masks = None if masks is None else self._tensor(masks).squeeze(-1)
-        return to_batch(self._torch, prep, images, masks)
+        return self._deliver(prep, images, masks)
 
     def _tensor(self, tl):
         """A uniform DALI TensorList as one torch tensor, zero-copy (DLPack).
@@ -318,24 +349,11 @@ class DaliIterator:
         return [self._torch.from_dlpack(tl[i]) for i in range(len(tl))]
 
     # --- resume and lifetime ------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """The loader's state, less the batches fed to DALI and not yet returned."""
-        return state_without(self.loader.state_dict(), [p.batch for p, _ in self._feeder.inflight])
-
-    def load_state_dict(self, state: dict) -> None:
-        """Resume from :meth:`state_dict`; only with nothing in flight (before
-        iterating, or at the end of an epoch)."""
-        if self._feeder.inflight:
-            raise DataferryError("load_state_dict with batches in DALI: call it before iterating")
-        self.loader.load_state_dict(state)
+    def _in_flight(self) -> list[Batch]:
+        """The batches fed to DALI and not yet returned."""
+        return [p.batch for p, _ in self._feeder.inflight]
 
     def close(self) -> None:
         """Drop the pipeline (not the loader). Idempotent."""
         self._feeder.inflight.clear()
         self._finalizer()
-
-    def __enter__(self) -> DaliIterator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -15,10 +15,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("nvidia.dali")
 
+from nvidia.dali import fn  # noqa: E402
 from PIL import Image  # noqa: E402
 from test_torch_path import (  # noqa: E402
     check_coordinates,
     check_epochs,
+    check_map,
     coord_samples,
     jpeg_samples,
     run_epochs,
@@ -104,6 +106,54 @@ def test_multilabel_passes_through():
         assert b.targets.shape == (len(b), 5)
         for i, row in zip(b.ids.tolist(), b.targets.numpy()):
             assert np.array_equal(row, vectors[i])
+
+
+def test_map_runs_after_dali():
+    check_map(lambda ld, f: DaliIterator(ld, EvalTransform(16, 20), options=CPU, map=f))
+
+
+def test_graph_adds_operators_after_the_stock_ones():
+    """A vertical flip and a constant added inside the pipeline show up exactly in the output."""
+    samples = jpeg_samples(20)
+    t = TrainTransform(size=24)
+    kw = {"batch_size": 8, "order": "input"}
+    (plain,) = run_epochs(dali(t), MemorySource("ds", samples), **kw)
+    ours_graph = dali(t, graph=lambda images: fn.flip(images, horizontal=0, vertical=1) + 5.0)
+    (ours,) = run_epochs(ours_graph, MemorySource("ds", samples), **kw)
+    for x, y in zip(plain, ours):
+        assert torch.equal(x.ids, y.ids) and y.images.shape == x.images.shape
+        assert torch.allclose(y.images, x.images.flip(-2) + 5.0)
+    (raw,) = run_epochs(dali(None, graph=lambda images: 255 - images), MemorySource("ds", samples), **kw)
+    (raw_plain,) = run_epochs(dali(None), MemorySource("ds", samples), **kw)
+    for x, y in zip(raw_plain, raw):
+        for a, b in zip(x.images, y.images):
+            assert a.shape == b.shape and torch.equal(b.to(torch.int16), 255 - a.to(torch.int16))
+
+
+def test_graph_sees_the_masks_too():
+    samples = coord_samples(12)
+    t = TrainTransform(size=32, scale=(0.2, 1.0))
+
+    def upside_down(images, masks):
+        return fn.flip(images, horizontal=0, vertical=1), fn.flip(masks, horizontal=0, vertical=1)
+
+    (plain,) = run_epochs(dali(t, targets="mask"), MemorySource("ds", samples), batch_size=12)
+    (flipped,) = run_epochs(dali(t, targets="mask", graph=upside_down), MemorySource("ds", samples), batch_size=12)
+    assert torch.equal(flipped[0].targets, plain[0].targets.flip(-2))
+    assert torch.allclose(flipped[0].images, plain[0].images.flip(-2))
+
+
+def test_a_bad_graph_is_named():
+    with Loader(MemorySource("ds", jpeg_samples(4)), "ds", batch_size=4) as loader:
+        with pytest.raises(ConfigError, match=r"graph=.* must return \(images, masks\) as DALI data nodes"):
+            DaliIterator(loader, EvalTransform(16, 16), targets="mask", options=CPU, graph=lambda images, masks: images)
+        with pytest.raises(ConfigError, match="must return images as DALI data nodes"):
+            DaliIterator(loader, EvalTransform(16, 16), options=CPU, graph=lambda images: np.zeros(3))
+        with pytest.raises(ConfigError, match="graph must be a function"):
+            DaliIterator(loader, options=CPU, graph=3)
+        with pytest.raises(TypeError) as info:
+            DaliIterator(loader, options=CPU, graph=lambda images, masks: (images, masks))
+        assert "called with images" in info.value.__notes__[0]
 
 
 class _FreshBytes(MemorySource):

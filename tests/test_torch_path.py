@@ -7,6 +7,7 @@ The helpers here (sample makers, the coordinate-image check) are reused by
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,7 +17,8 @@ torch = pytest.importorskip("torch")
 from PIL import Image  # noqa: E402
 
 from dataferry.client import Loader, MemorySource, PlanOptions  # noqa: E402
-from dataferry.client._torch import ImageBatch, TorchIterator  # noqa: E402
+from dataferry.client._imagebatch import ImageBatch  # noqa: E402
+from dataferry.client._torch import TorchIterator  # noqa: E402
 from dataferry.client._transforms import (  # noqa: E402
     EvalTransform,
     TrainTransform,
@@ -207,6 +209,38 @@ def test_works_under_a_torch_dataloader():
             assert sorted(i for b in got for i in b.ids.tolist()) == list(range(40))
         it.close()
         it.close()  # idempotent
+
+
+def check_map(make_iter) -> None:
+    """``make_iter(loader, map)``: a map that negates the images and adds 100 to the labels
+    changes exactly those, batch for batch (shared with test_dali.py)."""
+    samples = jpeg_samples(20)
+    kw = {"batch_size": 8, "order": "input"}
+    seen = []
+
+    def negate(b: ImageBatch) -> ImageBatch:
+        seen.append(b.epoch)
+        return replace(b, images=-b.images, labels=b.labels + 100)
+
+    (plain,) = run_epochs(lambda ld: make_iter(ld, None), MemorySource("ds", samples), **kw)
+    mapped = run_epochs(lambda ld: make_iter(ld, negate), MemorySource("ds", samples), epochs=2, **kw)
+    assert seen == [0] * 3 + [1] * 3
+    for x, y in zip(plain, mapped[0]):
+        assert float(x.images.abs().mean()) > 0.1  # so the negation shows
+        assert torch.equal(y.images, -x.images) and torch.equal(y.labels, x.labels + 100)
+        assert torch.equal(y.ids, x.ids)
+    with Loader(MemorySource("ds", samples), "ds", batch_size=8) as loader:
+        with pytest.raises(ConfigError, match="map must be a function"):
+            make_iter(loader, "negate")
+        with make_iter(loader, lambda b: b.images) as it, pytest.raises(ConfigError, match="not an ImageBatch"):
+            next(it)
+    with pytest.raises(ZeroDivisionError) as info:
+        run_epochs(lambda ld: make_iter(ld, lambda b: 1 / 0), MemorySource("ds", samples), **kw)
+    assert "map=" in info.value.__notes__[0] and "dataset 'ds', epoch 0" in info.value.__notes__[0]
+
+
+def test_map_runs_after_the_stock_transform():
+    check_map(lambda ld, f: TorchIterator(ld, EvalTransform(16, 20), workers=2, map=f))
 
 
 def test_ranks_read_disjoint_shards():

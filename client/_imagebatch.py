@@ -1,0 +1,242 @@
+"""What the PyTorch and the DALI iterators share: the batch type, the work
+before decoding, epochs, resume and the ``map`` hook.
+
+::
+
+    Loader.get() ─► prepare(): headers, crop windows, flips, targets checked
+          │                      (this thread, numpy; windows from _transforms.py)
+          ▼
+    a decoder (_torch.py: Pillow in threads; _dali.py: a DALI pipeline)
+          │          the batches it holds are *in flight*
+          ▼
+    ImageIterator._deliver() ─► ImageBatch (torch tensors) ─► map(batch) ─► you
+
+Both iterators are an :class:`ImageIterator`, and neither imports the other.
+
+**Epochs** follow the loader: ``for batch in it`` runs to the end of the
+loader's current epoch, the next ``for`` runs the next one. The last batch is
+as short as the loader's: nothing is padded, dropped or repeated here.
+
+**Resume.** Batches taken from the loader and not yet handed to the consumer
+are in flight; :meth:`ImageIterator.state_dict` leaves them out (the loader's
+own state would count them), so a resume delivers them again.
+
+**map**: a plain function from :class:`ImageBatch` to :class:`ImageBatch`,
+called on every batch as it is handed out, in the consumer's thread, after
+decode, transform and targets. It composes as functions do
+(``map=lambda b: g(f(b))``). A batch counts as delivered once decoded, so a
+batch whose ``map`` raised is not delivered again on resume; the exception
+propagates unchanged, with a note naming the batch.
+
+torch is imported when an iterator is made, never by ``import dataferry.client``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from dataferry.schema._errors import ConfigError, DataferryError
+
+from ._engine import Batch
+from ._transforms import (
+    EvalTransform,
+    TargetKind,
+    Transform,
+    TrainTransform,
+    check_mask,
+    check_targets,
+    crop_windows,
+    decode_multilabel,
+    image_size,
+)
+
+__all__ = ["ImageBatch", "ImageIterator", "Prepared", "prepare", "state_without", "import_torch"]
+
+
+def import_torch():
+    try:
+        import torch
+    except ImportError as exc:
+        raise ImportError(
+            "this needs PyTorch: pip install torch==2.13.0 (or your own build), "
+            "then pip install 'dataferry[torch]'"
+        ) from exc
+    return torch
+
+
+@dataclass(eq=False)
+class ImageBatch:
+    """One batch as tensors, the same from the DALI and the PyTorch paths.
+
+    ``images``: float32 ``[N, 3, S, S]`` (normalized, NCHW); with
+    ``transform=None``, a list of uint8 ``[H, W, 3]`` tensors. ``labels`` and
+    ``ids``: int64 ``[N]``. ``targets``: None, masks uint8 ``[N, S, S]`` (a
+    list of ``[H, W]`` without a transform), or multilabel float32
+    ``[N, num_classes]``. Images and masks are on the decoding device (the
+    GPU for DALI's mixed decoder); ids, labels and multilabel targets on the
+    CPU: :meth:`to` moves all of it. A ``map`` makes a new one with
+    ``dataclasses.replace(batch, images=...)``.
+    """
+
+    images: Any
+    labels: Any
+    ids: Any
+    targets: Any
+    epoch: int
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def _map(self, fn: Callable) -> ImageBatch:
+        def each(x):
+            if x is None:
+                return None
+            return [fn(t) for t in x] if isinstance(x, list) else fn(x)
+
+        return replace(self, images=each(self.images), labels=fn(self.labels), ids=fn(self.ids),
+                       targets=each(self.targets))
+
+    def to(self, device, non_blocking: bool = False) -> ImageBatch:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> ImageBatch:
+        """For ``DataLoader(pin_memory=True)``."""
+        return self._map(lambda t: t if t.is_cuda else t.pin_memory())
+
+
+def state_without(state: dict, inflight: list[Batch]) -> dict:
+    """The loader's ``state`` with the positions of ``inflight`` batches
+    (taken from the loader, not yet handed to the consumer) marked undelivered."""
+    if not inflight:
+        return state
+    epochs = {b.epoch for b in inflight}
+    if len(epochs) != 1:
+        raise DataferryError(f"batches of several epochs in flight: {sorted(epochs)}")
+    epoch = epochs.pop()
+    pos = set(np.concatenate([b.positions for b in inflight]).tolist())
+    if state["epoch"] == epoch:
+        frontier, beyond = state["frontier"], state["beyond"]
+    elif state["epoch"] == epoch + 1 and state["frontier"] == 0 and not state["beyond"]:
+        frontier, beyond = state["num_samples"], []  # the loader ended that epoch: these are its tail
+    else:
+        raise DataferryError(f"loader is at epoch {state['epoch']}, batches in flight are from epoch {epoch}")
+    low = min(min(pos), frontier)
+    done = (set(range(low, frontier)) | set(beyond)) - pos
+    return dict(state, epoch=epoch, frontier=low, beyond=sorted(done))
+
+
+@dataclass(eq=False)
+class Prepared:
+    """A loader batch plus what both paths compute before decoding."""
+
+    batch: Batch
+    windows: np.ndarray | None  # int32 [N, 4]: x, y, w, h
+    flips: np.ndarray | None  # bool [N]
+    hw: np.ndarray | None  # int64 [N, 2]
+    multilabel: np.ndarray | None  # float32 [N, K]
+
+
+def prepare(batch: Batch, transform: Transform, targets: TargetKind, dataset: str, seed: int) -> Prepared:
+    """Read headers, draw crop windows, check and decode targets (this thread, cheap)."""
+    what = [f"dataset {dataset!r} sample {i}" for i in batch.ids.tolist()]
+    hw = windows = flips = multilabel = None
+    if transform is not None or targets == "mask":
+        hw = np.array([image_size(d, w) for d, w in zip(batch.data, what)], np.int64).reshape(-1, 2)
+    if transform is not None:
+        windows, flips = crop_windows(transform, hw, batch.ids, seed=seed, epoch=batch.epoch)
+    if targets == "mask":
+        blobs = batch.targets or [None] * len(batch)
+        for blob, size, w in zip(blobs, hw, what):
+            if blob is None:
+                raise DataferryError(f"{w}: no mask target (targets='mask')")
+            check_mask(blob, tuple(size), w)
+    elif targets == "multilabel":
+        multilabel = decode_multilabel(batch.targets or [None] * len(batch), batch.ids.tolist(), dataset)
+    return Prepared(batch, windows, flips, hw, multilabel)
+
+
+class ImageIterator:
+    """The part of :class:`TorchIterator` and :class:`DaliIterator` that does
+    not depend on the decoder: options, the batch handed out, resume, lifetime.
+
+    A subclass takes batches from ``self.loader``, :func:`prepare` s them,
+    decodes, and returns ``self._deliver(prep, images, masks)`` from
+    ``__next__``; :meth:`_in_flight` lists the loader batches it holds.
+    """
+
+    def __init__(self, loader, transform: Transform, targets: TargetKind, seed: int | None,
+                 map: Callable[[ImageBatch], ImageBatch] | None) -> None:
+        torch = import_torch()
+        _register_dataset(torch)
+        check_targets(targets)
+        if transform is not None and not isinstance(transform, (TrainTransform, EvalTransform)):
+            raise ConfigError(f"transform must be a TrainTransform, an EvalTransform or None, not {transform!r}")
+        if map is not None and not callable(map):
+            raise ConfigError(f"map must be a function from ImageBatch to ImageBatch, not {map!r}")
+        self.loader, self.transform, self.targets, self.map = loader, transform, targets, map
+        self.seed = loader.plan_options.seed if seed is None else seed
+        self._torch = torch
+
+    def _in_flight(self) -> list[Batch]:
+        raise NotImplementedError
+
+    def _deliver(self, prep: Prepared, images, masks) -> ImageBatch:
+        """The :class:`ImageBatch` of a decoded batch, through ``map``."""
+        torch, b = self._torch, prep.batch
+        targets = masks if prep.multilabel is None else torch.from_numpy(prep.multilabel)
+        out = ImageBatch(images=images, labels=torch.from_numpy(b.labels.astype(np.int64)),
+                         ids=torch.from_numpy(b.ids.copy()), targets=targets, epoch=b.epoch)
+        if self.map is None:
+            return out
+        try:
+            out = self.map(out)
+        except Exception as exc:
+            exc.add_note(f"in map={self.map!r} on a batch of dataset {self.loader.dataset!r}, epoch {b.epoch}, "
+                         f"first ids {b.ids[:4].tolist()}")
+            raise
+        if not isinstance(out, ImageBatch):
+            raise ConfigError(f"map={self.map!r} returned {type(out).__name__}, not an ImageBatch")
+        return out
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        return self
+
+    def state_dict(self) -> dict:
+        """The loader's state, less the batches in flight here (exact resume)."""
+        return state_without(self.loader.state_dict(), self._in_flight())
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`; only with nothing in flight (before
+        iterating, or at the end of an epoch)."""
+        if self._in_flight():
+            raise DataferryError(f"load_state_dict with {len(self._in_flight())} batch(es) in flight: "
+                                 "call it before iterating")
+        self.loader.load_state_dict(state)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+_registered = False
+
+
+def _register_dataset(torch) -> None:
+    """Make every :class:`ImageIterator` a ``torch.utils.data.IterableDataset``
+    (an ABC) without importing torch when this module is imported."""
+    global _registered
+    if not _registered:
+        torch.utils.data.IterableDataset.register(ImageIterator)
+        _registered = True
