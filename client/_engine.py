@@ -20,9 +20,22 @@ Data flow (everything runs on one event loop)::
   first). Its batches wait in the engine, inside the byte budget, until the
   current epoch's end has been emitted, so the link never drains at an
   epoch boundary and batches never mix epochs.
-* A failed request's unanswered positions go back with exponential backoff
-  unless another request (a hedge) still covers them; after
-  ``Retry.attempts`` tries, or for an unknown id, :class:`ErrorPolicy` decides.
+* The current epoch always goes first: its retries and fresh positions are
+  sent before any of the look-ahead epoch's, and the look-ahead may hold at
+  most half of the byte budget, so look-ahead batches can never starve the
+  epoch the consumer is waiting on.
+* A failed request's unanswered positions go back, in their epoch's retry
+  heap, with exponential backoff unless another request (a hedge) still
+  covers them. The retry budget is a time (``Retry.deadline``): a sample is
+  given up, and :class:`ErrorPolicy` decides, once it has been failing for
+  that long (or after ``Retry.attempts`` tries, when set); an unknown id is
+  given up at once.
+* A circuit breaker: after ``Retry.breaker_after`` failed requests in a row
+  with no answer in between, only one request at a time (a probe) goes out,
+  spaced by the backoff, until the store answers again.
+* The dispatcher sleeps until the next event (an answer, a release by the
+  consumer) or the next timer (a retry or probe due, a hedge); it never
+  polls.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import logging
 import random
 from collections import deque
 from collections.abc import Callable
@@ -39,25 +53,67 @@ import numpy as np
 
 from dataferry.schema import Sample, SampleNotFound, SampleSource
 from dataferry.schema._errors import DataferryError, StoreError
+from dataferry.schema._url import redact_url
 
 from ._options import ErrorPolicy, Hedge, Prefetch, Retry
 from ._plan import EpochPlan
 from ._progress import Progress
 from ._stats import Counters
 
-__all__ = ["Batch", "EndOfEpoch", "Run", "Link", "SampleFailed", "RETRYABLE"]
+__all__ = ["Batch", "EndOfEpoch", "Run", "Link", "SampleFailed", "RETRYABLE", "describe_source", "retrying"]
+
+log = logging.getLogger("dataferry.client")
+_INF = float("inf")
 
 #: errors worth another try; anything else is a bug and stops the epoch
 RETRYABLE = (StoreError, OSError, TimeoutError, asyncio.TimeoutError, EOFError)
 
 
 class SampleFailed(DataferryError):
-    """A sample could not be delivered (unknown id, or retries spent)."""
+    """A sample could not be delivered (unknown id, or its retry deadline passed)."""
 
-    def __init__(self, dataset: str, id: int, attempts: int, cause: BaseException) -> None:
-        super().__init__(f"sample {id} of dataset {dataset!r} failed after {attempts} attempt(s): {cause}")
+    def __init__(
+        self, dataset: str, id: int, attempts: int, cause: BaseException,
+        *, store: str | None = None, failing_for: float | None = None, down_for: float | None = None,
+    ) -> None:
+        where = f" from {store}" if store else ""
+        span = f" over {failing_for:.1f} s" if failing_for else ""
+        down = f"; the store was unreachable for {down_for:.1f} s" if down_for else ""
+        super().__init__(f"sample {id} of dataset {dataset!r}{where} failed after {attempts} attempt(s){span}{down}: {cause}")
         self.dataset = dataset
         self.id = id
+        self.store = store
+        self.failing_for = failing_for
+        self.down_for = down_for
+
+
+def describe_source(source: object) -> str:
+    """A source's name for messages: its URL (password redacted), else its repr."""
+    url = getattr(source, "url", None)
+    return redact_url(url) if isinstance(url, str) and url else repr(source)
+
+
+async def retrying(call, retry: Retry, what: str, store: str):
+    """``await call()``, retried on store errors with ``retry``'s backoff until
+    its deadline (catalog reads: a store restart passes unnoticed)."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    rand = random.Random()
+    attempt = 1
+    while True:
+        try:
+            async with asyncio.timeout(retry.timeout):
+                return await call()
+        except RETRYABLE as exc:
+            failing = loop.time() - start
+            if retry.gives_up(attempt, failing):
+                raise StoreError(
+                    f"{what} from {store} failed after {attempt} attempt(s) over {failing:.1f} s: {exc}"
+                ) from exc
+            if attempt == 1:
+                log.warning("%s from %s failed (%s); retrying for up to %.0f s", what, store, exc, retry.deadline)
+            attempt += 1
+            await asyncio.sleep(retry.delay(attempt, rand.random()))
 
 
 @dataclass(eq=False)
@@ -150,7 +206,10 @@ class _Epoch:
         self.cursor = 0
         self.cover: dict[int, int] = {}  # position -> requests covering it
         self.attempts: dict[int, int] = {}
+        self.first_fail: dict[int, float] = {}  # position -> when it first failed (until it completes)
+        self.retries: list[tuple[float, int, list[int], int]] = []  # heap of (due, seq, positions, attempt)
         self.active = 0  # requests in flight for this epoch
+        self.reserved = 0  # bytes reserved for this epoch's requests in flight
         self.batch: list[tuple[int, Sample]] = []
         self.held: dict[int, Sample | None] = {}  # in-order mode: arrived, not yet released
         self.release = self.completed.frontier  # in-order: next position to release
@@ -210,7 +269,6 @@ class Run:
         self.ahead: _Epoch | None = None
         self.request_size = prefetch.request_size or getattr(source, "preferred_request_size", 32)
         self.link = link if link is not None else Link(prefetch, hedge)
-        self._retry_heap: list[tuple[float, int, _Epoch, list[int], int]] = []
         self._seq = itertools.count()
         self._active: set[_Req] = set()
         self._reserved = 0
@@ -218,6 +276,12 @@ class Run:
         self._rand = random.Random(plan.seed * 1000003 + plan.epoch)
         self._ended = False
         self._consumer_epoch = plan.epoch
+        self._store = describe_source(source)
+        # the circuit breaker: failed requests in a row, since when, the next probe
+        self._fails_in_row = 0
+        self._down_since: float | None = None
+        self._probes = 0
+        self._probe_at = 0.0
 
     # --- called from the consumer's thread via call_soon_threadsafe ----------
     def release(self, nbytes: int) -> None:
@@ -237,16 +301,16 @@ class Run:
                 self._advance()
                 if self._ended:
                     break
-                self._dispatch(loop.time())
+                now = loop.time()
+                wake_at = min(self._dispatch(now), self._maybe_hedge(now))
                 self._wake = loop.create_future()
                 waiters = {r.task for r in self._active}
                 waiters.add(self._wake)
-                timeout = self._next_timer(loop.time())
+                timeout = None if wake_at == _INF else max(0.0, wake_at - loop.time())
                 done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 now = loop.time()
                 for req in [r for r in self._active if r.task in done]:
                     self._on_done(req, now)
-                self._maybe_hedge(now)
         finally:
             for req in self._active:
                 req.task.cancel()
@@ -288,19 +352,17 @@ class Run:
         self._consumer_epoch = epoch
         self._poke()
 
-    def _next_timer(self, now: float) -> float | None:
-        t = min((r.deadline for r in self._active if not r.hedge and r.twin is None), default=float("inf"))
-        if self._retry_heap:
-            t = min(t, self._retry_heap[0][0])
-        return None if t == float("inf") else max(0.0, t - now)
-
     def _budget_allows(self, est: int, ep: _Epoch) -> bool:
         c = self.c
-        if self._reserved + c.ready_bytes + est <= self.prefetch.max_bytes:
+        fits = self._reserved + c.ready_bytes + est <= self.prefetch.max_bytes
+        if ep is not self.current:
+            # the look-ahead holds at most half the budget: the rest stays for the current epoch
+            return fits and ep.reserved + self._ahead_bytes() + est <= self.prefetch.max_bytes // 2
+        if fits:
             return True
         # progress guarantee for the current epoch: with none of its requests in
         # flight and nothing of it waiting for the consumer, one request may go
-        return ep is self.current and not ep.active and c.ready_bytes - self._ahead_bytes() - ep.partial_bytes <= 0
+        return not ep.active and c.ready_bytes - self._ahead_bytes() - ep.partial_bytes <= 0
 
     def _ahead_bytes(self) -> int:
         ahead = self.ahead
@@ -308,33 +370,94 @@ class Run:
             return 0
         return ahead.partial_bytes + sum(b.nbytes for b in ahead.outbox)
 
-    def _dispatch(self, now: float) -> None:
-        while sum(1 for r in self._active if not r.hedge) < self.link.window:
-            if self._retry_heap and self._retry_heap[0][0] <= now:
-                _, _, ep, positions, attempt = self._retry_heap[0]
+    def _requests(self) -> int:
+        return sum(1 for r in self._active if not r.hedge)
+
+    def _dispatch(self, now: float) -> float:
+        """Send what may go now, the current epoch first; return when to look
+        again (inf: at the next event, an answer or a release)."""
+        if self._fails_in_row >= self.retry.breaker_after:
+            return self._probe(now)
+        cur = self.current
+        wake = _INF
+        if not cur.finished:
+            blocked, wake = self._feed(cur, now)
+            if blocked or cur.cursor < cur.n:
+                return wake
+        if self.ahead is None:
+            self.ahead = self._make_ahead()
+        if self.ahead is not None:
+            wake = min(wake, self._feed(self.ahead, now)[1])
+        return wake
+
+    def _feed(self, ep: _Epoch, now: float) -> tuple[bool, float]:
+        """Send ``ep``'s due retries, then its fresh positions, while the window
+        and the budget allow. Returns (blocked by window or budget, next retry due)."""
+        while self._requests() < self.link.window:
+            if ep.retries and ep.retries[0][0] <= now:
+                _, _, positions, attempt = ep.retries[0]
                 positions = [p for p in positions if p not in ep.completed and not ep.cover.get(p)]
-                if not positions or ep not in (self.current, self.ahead):
-                    heapq.heappop(self._retry_heap)
+                if not positions:
+                    heapq.heappop(ep.retries)
                     continue
                 if not self._budget_allows(int(len(positions) * self.link.mean_bytes), ep):
-                    return
-                heapq.heappop(self._retry_heap)
+                    return True, _INF
+                heapq.heappop(ep.retries)
                 self._start(ep, positions, attempt, now)
                 continue
-            ep = self.current
-            if ep.finished or ep.cursor >= ep.n:
-                if self.ahead is None and not ep.finished:
-                    self.ahead = self._make_ahead()
-                if self.ahead is None:
-                    return
-                ep = self.ahead
+            if ep.cursor >= ep.n:
+                return False, ep.retries[0][0] if ep.retries else _INF
             est = int(min(self.request_size, ep.n - ep.cursor) * self.link.mean_bytes)
             if not self._budget_allows(est, ep):
-                return
+                return True, _INF
             positions = ep.fresh(self.request_size)
-            if not positions:
-                return
-            self._start(ep, positions, 1, now)
+            if positions:
+                self._start(ep, positions, 1, now)
+        return True, _INF
+
+    def _probe(self, now: float) -> float:
+        """Breaker open: one request at a time, spaced by the backoff."""
+        if self._active:
+            return _INF  # the probe (or a request sent before the breaker opened) is out
+        if now < self._probe_at:
+            return self._probe_at
+        for ep in (self.current, self.ahead):
+            if ep is None or ep.finished:
+                continue
+            while ep.retries:
+                _, _, positions, attempt = heapq.heappop(ep.retries)
+                positions = [p for p in positions if p not in ep.completed and not ep.cover.get(p)]
+                if positions:
+                    self._start(ep, positions, attempt, now)
+                    return _INF
+            positions = ep.fresh(self.request_size)
+            if positions:
+                self._start(ep, positions, 1, now)
+                return _INF
+        return _INF
+
+    def _store_failed(self, now: float) -> None:
+        """A request failed: count towards (or keep) the breaker open."""
+        self._fails_in_row += 1
+        if self._down_since is None:
+            self._down_since = now
+        n = self._fails_in_row - self.retry.breaker_after
+        if n >= 0:
+            if n == 0:
+                log.warning(
+                    "%s: %d requests in a row failed; probing it one request at a time, "
+                    "retrying each sample for up to %.0f s", self._store, self._fails_in_row, self.retry.deadline,
+                )
+            self._probes += 1
+            self._probe_at = now + self.retry.delay(self._probes + 1, self._rand.random())
+
+    def _store_answered(self) -> None:
+        if self._fails_in_row >= self.retry.breaker_after:
+            down = asyncio.get_running_loop().time() - (self._down_since or 0.0)
+            log.warning("%s answers again after %.1f s", self._store, down)
+        self._fails_in_row = 0
+        self._down_since = None
+        self._probes = 0
 
     def _start(self, ep: _Epoch, positions: list[int], attempt: int, now: float, *, hedge_of: _Req | None = None) -> _Req:
         by_id: dict[int, list[int]] = {}
@@ -352,6 +475,7 @@ class Run:
         elif self.link.hedge_after != float("inf"):
             req.deadline = now + self.link.hedge_after
         self._reserved += reserved
+        ep.reserved += reserved
         self.c.peak_bytes = max(self.c.peak_bytes, self._reserved + self.c.ready_bytes)
         req.task = asyncio.ensure_future(self._fetch(req))
         self._active.add(req)
@@ -376,6 +500,9 @@ class Run:
         req.reserved -= take
         self._reserved -= take
         ep = req.epoch
+        ep.reserved -= take
+        if self._fails_in_row:
+            self._store_answered()
         if isinstance(result, SampleNotFound):
             for p in positions:
                 if p not in ep.completed:
@@ -385,6 +512,9 @@ class Run:
         self.c.bytes += nbytes
         self.link.mean_bytes += (nbytes - self.link.mean_bytes) * 0.05
         first = True
+        if ep.first_fail:
+            for p in positions:
+                ep.first_fail.pop(p, None)
         for p in positions:
             if ep.completed.add(p):
                 self._deliver(ep, p, result, nbytes if first else 0)
@@ -403,6 +533,7 @@ class Run:
         self._reserved -= req.reserved
         ep = req.epoch
         ep.active -= 1
+        ep.reserved -= req.reserved
         for ps in req.positions.values():
             for p in ps:
                 ep.cover[p] -= 1
@@ -428,6 +559,7 @@ class Run:
                 exc = StoreError(f"source answered {len(missing)} of the ids it was asked for with nothing")
             self.c.failures += 1
             self.link.failed()
+            self._store_failed(now)
         if missing and live:
             self._retry_later(ep, missing, exc or StoreError("request cancelled"), now)
         if req.twin is not None and req.twin.twin is req:
@@ -437,35 +569,46 @@ class Run:
     def _retry_later(self, ep: _Epoch, positions: list[int], exc: BaseException, now: float) -> None:
         again = []
         for p in positions:
-            if ep.attempts.get(p, 1) >= self.retry.attempts:
-                self._fail(ep, p, exc)
+            first = ep.first_fail.setdefault(p, now)
+            if self.retry.gives_up(ep.attempts.get(p, 1), now - first):
+                self._fail(ep, p, exc, now)
             else:
                 again.append(p)
         if again:
             attempt = max(ep.attempts[p] for p in again) + 1
             self.c.retries += len(again)
             when = now + self.retry.delay(attempt, self._rand.random())
-            heapq.heappush(self._retry_heap, (when, next(self._seq), ep, again, attempt))
+            heapq.heappush(ep.retries, (when, next(self._seq), again, attempt))
 
-    def _maybe_hedge(self, now: float) -> None:
-        if not self.hedge.enabled:
-            return
+    def _maybe_hedge(self, now: float) -> float:
+        """Hedge requests past their deadline; return the next hedge deadline
+        (inf when hedging is off, the breaker is open, or the hedge budget is spent)."""
+        if not self.hedge.enabled or self._fails_in_row >= self.retry.breaker_after:
+            return _INF
         budget = max(1, int(self.hedge.max_fraction * self.link.window))
         hedges = sum(1 for r in self._active if r.hedge)
         for req in sorted((r for r in self._active if not r.hedge and r.twin is None), key=lambda r: r.deadline):
-            if req.deadline > now or hedges >= budget:
-                break
+            if hedges >= budget:
+                return _INF  # the next chance comes with an answer
+            if req.deadline > now:
+                return req.deadline
             ep = req.epoch
             rest = [p for ps in req.positions.values() for p in ps if p not in ep.completed]
-            req.deadline = float("inf")
+            req.deadline = _INF
             if rest and self._budget_allows(int(len(rest) * self.link.mean_bytes), ep):
                 self._start(ep, rest, req.attempt, now, hedge_of=req)
                 hedges += 1
+        return _INF
 
-    def _fail(self, ep: _Epoch, pos: int, exc: BaseException) -> None:
+    def _fail(self, ep: _Epoch, pos: int, exc: BaseException, now: float | None = None) -> None:
         attempts = ep.attempts.get(pos, 1)
         sid = int(ep.plan.ids[pos])
-        err = SampleFailed(self.dataset, sid, attempts, exc)
+        first = ep.first_fail.get(pos)
+        err = SampleFailed(
+            self.dataset, sid, attempts, exc, store=self._store,
+            failing_for=None if first is None or now is None else now - first,
+            down_for=None if self._down_since is None or now is None else now - self._down_since,
+        )
         if self.errors.on_error == "raise" or ep.skipped_count >= self.errors.max_skipped:
             raise err from exc
         ep.completed.add(pos)

@@ -27,7 +27,7 @@ from typing import Literal
 from dataferry.schema import ALL_SPLIT, IdList, SampleSource
 from dataferry.schema._errors import ConfigError, DataferryError
 
-from ._engine import Batch, EndOfEpoch, Link, Run
+from ._engine import Batch, EndOfEpoch, Link, Run, describe_source, retrying
 from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
 from ._plan import EpochPlan, make_plan, split_digest
 from ._progress import Progress
@@ -186,7 +186,10 @@ class Loader:
     # --- epochs ------------------------------------------------------------------
     def _idlist(self) -> IdList:
         if self._ids is None:
-            self._ids = self._lt.call(self._source.read_split(self.dataset, self.split))
+            src, what = self._source, f"the id list of split {self.split!r} of dataset {self.dataset!r}"
+            self._ids = self._lt.call(
+                retrying(lambda: src.read_split(self.dataset, self.split), self.retry, what, describe_source(src))
+            )
         return self._ids
 
     def _plan_for(self, epoch: int) -> EpochPlan:

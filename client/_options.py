@@ -81,29 +81,48 @@ class Prefetch:
 
 @dataclass(frozen=True, slots=True)
 class Retry:
-    """Per-request timeout, and retries with exponential backoff and jitter.
+    """Timeouts, retries and the circuit breaker: how a store outage is ridden out.
 
-    A sample is tried at most ``attempts`` times; before try k (k >= 2) the
-    engine waits ``min(backoff * 2**(k-2), max_backoff)`` scaled by a random
-    factor in ``[1 - jitter, 1]``.
+    The retry budget is a time, not a count: a sample that fails (refused,
+    reset, timed out) is tried again, with exponential backoff and jitter,
+    until it has been failing for ``deadline`` seconds; only then does
+    :class:`ErrorPolicy` decide. The default rides out a server restart, a
+    Cassandra node restart or a rolling upgrade unnoticed. ``attempts``, when
+    set, also caps the tries per sample.
+
+    Before try k (k >= 2) of a sample the engine waits
+    ``min(backoff * 2**(k-2), max_backoff)`` scaled by a random factor in
+    ``[1 - jitter, 1]``. Once ``breaker_after`` requests in a row have failed
+    with no answer in between, the breaker opens: the engine stops flooding the
+    store and sends one request at a time (a probe), spaced by the same
+    backoff, until one is answered. ``timeout`` bounds one request.
+    Catalog reads (the split's id list) are retried the same way.
     """
 
-    attempts: int = 5
+    deadline: float = 300.0
     timeout: float = 30.0
     backoff: float = 0.05
     max_backoff: float = 2.0
     jitter: float = 0.5
+    attempts: int | None = None
+    breaker_after: int = 3
 
     def __post_init__(self) -> None:
-        _check(self.attempts >= 1, "attempts must be >= 1")
+        _check(self.deadline >= 0, "deadline must be >= 0 seconds")
+        _check(self.attempts is None or self.attempts >= 1, "attempts must be >= 1 (or None: no cap)")
         _check(self.timeout > 0, "timeout must be > 0")
         _check(0 <= self.backoff <= self.max_backoff, "need 0 <= backoff <= max_backoff")
         _check(0 <= self.jitter <= 1, "jitter must be in [0, 1]")
+        _check(self.breaker_after >= 1, "breaker_after must be >= 1")
 
     def delay(self, attempt: int, rand: float) -> float:
         """Backoff before ``attempt`` (2 = first retry); ``rand`` in [0, 1)."""
-        base = min(self.backoff * (2 ** max(0, attempt - 2)), self.max_backoff)
+        base = min(self.backoff * (2 ** min(max(0, attempt - 2), 62)), self.max_backoff)
         return base * (1 - self.jitter * rand)
+
+    def gives_up(self, attempts: int, failing_for: float) -> bool:
+        """Whether a sample tried ``attempts`` times, failing for ``failing_for`` s, is done for."""
+        return failing_for >= self.deadline or (self.attempts is not None and attempts >= self.attempts)
 
 
 @dataclass(frozen=True, slots=True)
