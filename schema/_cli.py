@@ -105,6 +105,7 @@ def _run_ingest(args: argparse.Namespace) -> int:
     if args.synthetic is None and (args.classes or args.seed is not None or args.keep_dir):
         raise ConfigError("--classes, --seed and --keep-dir go with --synthetic")
     from ._ingest import IngestOptions, ingest
+    from ._scan import require_images, scan
     from ._validate import DEFAULT_MAX_PIXELS
 
     options = IngestOptions(
@@ -117,7 +118,9 @@ def _run_ingest(args: argparse.Namespace) -> int:
     )
     progress = False if args.quiet else None
 
-    def go(src: str) -> int:
+    def go(path: str) -> int:
+        src = scan(path)
+        require_images(src)  # before the store is opened: a wrong path creates nothing
         report = _run(_with_store(args.store, lambda s: ingest(s, src, args.dataset, options, progress=progress)))
         print(report.summary())
         return 0 if report.ok else 1

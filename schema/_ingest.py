@@ -13,7 +13,9 @@ flight at once, never the dataset. A sample is committed by its batch's
 merged with what was already there. So a re-run skips what is committed
 (writing nothing when nothing is new) and finishes an interrupted ingest.
 Bad files are reported with a reason and never written; they do not stop the
-others.
+others. A source with no images at all is refused before anything is written.
+A failed write (a full disk) stops the ingest with the store's error; the
+batches committed before it are kept and the next run skips them.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ._errors import ConfigError, DataferryError, DatasetNotFound, IntegrityError, InvalidImage, NotFound
+from ._errors import StoreError, StoreTimeout, StoreUnavailable
 from ._model import ALL_SPLIT, DatasetInfo, IdList, Sample, SampleMeta, check_name, sample_id
-from ._scan import Source, SourceFile, scan
+from ._scan import Source, SourceFile, require_images, scan
 from ._store import SampleRecord, Store
 from ._validate import DEFAULT_MAX_PIXELS, ValidatedFile, ValidateOptions, validate_chunk, validator_pool
 
@@ -116,12 +119,14 @@ async def ingest(
     """Ingest ``source`` (a folder, a manifest, or a scanned :class:`Source`).
 
     ``progress``: a tqdm bar on stderr; ``None`` shows it when stderr is a TTY.
-    Raises ConfigError for a bad source, IntegrityError when ids collide or the
+    Raises ConfigError for a bad source or one with no images (nothing is
+    written then), IntegrityError when ids collide or the
     dataset's label names differ from the source's; store errors pass through.
     """
     t0 = time.perf_counter()
     check_name("dataset", dataset)
     src = source if isinstance(source, Source) else await asyncio.to_thread(scan, source)
+    require_images(src)  # before anything is written: an empty source is a wrong path
     files = src.files
     ids = np.fromiter((sample_id(dataset, f.relpath) for f in files), dtype=np.int64, count=len(files))
     labels = np.fromiter((f.label for f in files), dtype=np.int32, count=len(files))
@@ -257,7 +262,7 @@ async def _validate_and_write(store, dataset, src, ids, todo, committed, options
             for fut in done:
                 if fut in writing:
                     idx, nin, nout = writing.pop(fut)
-                    fut.result()
+                    _written(fut, dataset, stats)
                     committed[idx] = True
                     stats.ingested += len(idx)
                     stats.bytes_in += nin
@@ -282,6 +287,18 @@ async def _validate_and_write(store, dataset, src, ids, todo, committed, options
     finally:
         bar.close()
     await asyncio.to_thread(pool.shutdown, wait=True)
+
+
+def _written(fut: asyncio.Future, dataset: str, stats: _Stats) -> None:
+    """Raise a failed write's error, saying what this run committed before it."""
+    try:
+        fut.result()
+    except StoreError as exc:
+        cls = next(c for c in (StoreTimeout, StoreUnavailable, StoreError) if isinstance(exc, c))
+        raise cls(
+            f"{exc}; ingest of {dataset!r} stopped after committing {stats.ingested} new samples "
+            "(kept: run the same ingest again to finish)"
+        ) from exc
 
 
 def _results(fut: asyncio.Future) -> list:

@@ -31,7 +31,10 @@ from dataclasses import dataclass, field
 from ._errors import ConfigError
 from ._model import normalize_relpath
 
-__all__ = ["IMAGE_EXTENSIONS", "SourceFile", "Source", "scan", "scan_imagefolder", "scan_manifest", "is_image_name"]
+__all__ = [
+    "IMAGE_EXTENSIONS", "SourceFile", "Source", "scan", "scan_imagefolder", "scan_manifest", "is_image_name",
+    "require_images",
+]
 
 IMAGE_EXTENSIONS = frozenset(
     {".jpg", ".jpeg", ".png", ".gif", ".bmp", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
@@ -61,6 +64,7 @@ class Source:
     skipped: tuple[str, ...]  # relpaths of non-image and hidden files
     #: ``(relpath, reason)`` of image files that cannot get an id (a name that is not UTF-8)
     unusable: tuple[tuple[str, str], ...] = ()
+    manifest: str | None = None  # the manifest file, when scanned from one
 
 
 def is_image_name(name: str) -> bool:
@@ -128,7 +132,8 @@ def scan_imagefolder(root: str | os.PathLike[str]) -> Source:
             skipped.append(unicodedata.normalize("NFC", os.fsencode(entry.name).decode("utf-8", "replace")))
     label_names = tuple(sorted(class_dirs))
     if not label_names:
-        raise ConfigError(f"source {root!r} has no class folders: an ImageFolder tree is root/<class>/<image>")
+        found = f"found {_kinds(skipped)} and no class folders" if skipped else "the folder is empty"
+        raise ConfigError(f"no images in {root!r}: {found}; an ImageFolder tree is root/<class>/<image>")
     files: list[SourceFile] = []
     unusable: list[tuple[str, str]] = []
     for label, name in enumerate(label_names):
@@ -227,4 +232,40 @@ def scan_manifest(manifest: str | os.PathLike[str]) -> Source:
     index = {name: i for i, name in enumerate(label_names)}
     files = [SourceFile(full, rel, index[label], target, tags) for full, rel, label, target, tags in rows]
     files.sort(key=lambda f: f.relpath)
-    return Source(base, label_names, tuple(files), tuple(sorted(skipped)))
+    return Source(base, label_names, tuple(files), tuple(sorted(skipped)), manifest=manifest)
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def _kinds(paths, what: str = "file") -> str:
+    """``"3 files (.csv, .txt)"``: how many, and their extensions."""
+    paths = list(paths)
+    exts = sorted({os.path.splitext(p.rsplit("/", 1)[-1])[1].lower() or "no extension" for p in paths})
+    return f"{_count(len(paths), what)} ({', '.join(exts[:8])}{', ...' if len(exts) > 8 else ''})"
+
+
+def require_images(src: Source) -> None:
+    """ConfigError unless ``src`` has an image to ingest, saying what it holds instead.
+
+    An ingest of nothing is almost always a wrong path; refusing it keeps an
+    empty dataset out of the store.
+    """
+    if src.files:
+        return
+    if src.manifest is not None:
+        found = f"it lists {_kinds(src.skipped, 'path')}, none an image" if src.skipped else "it has no rows"
+        raise ConfigError(f"no images in manifest {src.manifest!r}: {found}")
+    n = len(src.label_names)
+    classes = f"class folder{'s' if n != 1 else ''} {', '.join(src.label_names[:10])}{', ...' if n > 10 else ''}"
+    if src.unusable:
+        raise ConfigError(
+            f"no images in {src.root!r} can be ingested: {_count(len(src.unusable), 'image file')} under {classes} "
+            f"cannot get an id, their names are not valid UTF-8 (first: {src.unusable[0][0]!r})"
+        )
+    if src.skipped:
+        found = f"{'holds' if n == 1 else 'hold'} no images; found {_kinds(src.skipped, 'other file')}"
+    else:
+        found = "is empty" if n == 1 else "are empty"
+    raise ConfigError(f"no images in {src.root!r}: {classes} {found}")

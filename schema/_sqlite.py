@@ -44,6 +44,7 @@ CREATE TABLE IF NOT EXISTS split_chunks (
 """
 
 _IN_LIMIT = 500  # ids per "IN (...)" for catalog-side lookups
+_NEAR_PAGE_LIMIT = 1024  # SQLITE_FULL this close to max_page_count is the limit, not the disk
 
 
 def _chunks(seq: Sequence, n: int):
@@ -109,19 +110,65 @@ class SqliteStore:
                 conn.execute("BEGIN IMMEDIATE")
                 try:
                     out = fn(conn)
+                    conn.execute("COMMIT")
                 except BaseException:
-                    conn.execute("ROLLBACK")
+                    self._rollback(conn)
                     raise
-                conn.execute("COMMIT")
                 return out
-            except sqlite3.OperationalError as exc:
-                if "locked" in str(exc) or "busy" in str(exc):
-                    raise StoreTimeout(f"sqlite store {self._opts.path!r}: {exc}") from exc
-                raise StoreError(f"sqlite store {self._opts.path!r}: {exc}") from exc
             except sqlite3.Error as exc:
-                raise StoreError(f"sqlite store {self._opts.path!r}: {exc}") from exc
+                raise self._translate(conn, exc) from exc
 
         return await asyncio.get_running_loop().run_in_executor(pool, call)
+
+    def _rollback(self, conn: sqlite3.Connection) -> None:
+        """Undo the open transaction, if SQLite has not already done so.
+
+        On SQLITE_FULL, SQLITE_IOERR and a few others SQLite may roll the whole
+        transaction back itself; a second ROLLBACK would then fail ("no
+        transaction is active") and hide the real error. If the rollback
+        itself fails, the connection is dropped: closing it discards the
+        transaction, and this thread opens a fresh one next time.
+        """
+        if not conn.in_transaction:
+            return
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            self._forget(conn)
+
+    def _forget(self, conn: sqlite3.Connection) -> None:
+        with self._conns_lock:
+            if conn in self._conns:
+                self._conns.remove(conn)
+        if getattr(self._local, "conn", None) is conn:
+            del self._local.conn
+        conn.close()
+
+    def _translate(self, conn: sqlite3.Connection, exc: sqlite3.Error) -> StoreError:
+        """A StoreError naming the file; a full disk says so, with the free space."""
+        where = f"sqlite store {self._opts.path!r}"
+        code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+        if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+            return StoreTimeout(f"{where}: {exc}")
+        if code == sqlite3.SQLITE_FULL:
+            return StoreError(f"{where}: {self._full(conn)} ({exc}); the write was rolled back")
+        name = getattr(exc, "sqlite_errorname", None)
+        return StoreError(f"{where}: {exc}" + (f" ({name})" if name and code == sqlite3.SQLITE_IOERR else ""))
+
+    def _full(self, conn: sqlite3.Connection) -> str:
+        """Why SQLite is full: the file system, or the database's page limit."""
+        try:
+            pages, limit = (conn.execute(f"PRAGMA {p}").fetchone()[0] for p in ("page_count", "max_page_count"))
+        except sqlite3.Error:
+            pages = limit = None
+        if pages is not None and limit is not None and limit - pages < _NEAR_PAGE_LIMIT:
+            return f"database full: {pages} pages used of its max_page_count of {limit}"
+        folder = os.path.dirname(os.path.abspath(self._opts.path))
+        try:
+            st = os.statvfs(folder)
+        except OSError:
+            return "disk full"
+        return f"disk full: {st.f_bavail * st.f_frsize / 2**20:.1f} MiB free in {folder}"
 
     def _read(self, fn):
         return self._run(self._readers, fn)
