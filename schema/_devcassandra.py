@@ -194,6 +194,23 @@ class DevCassandra:
             self.workdir = None
             self._owns_workdir = False
 
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would, keeping its data and its CQL
+        port: :meth:`start` brings the same node back (commit log replayed)."""
+        if self._proc is None:
+            return
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._proc.wait(10)
+        self._proc = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        self._port_arg = self.port
+        self._workdir_arg = str(self.workdir)  # still removed by stop() when it was a temporary one
+
     def __enter__(self) -> DevCassandra:
         return self.start()
 
