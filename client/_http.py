@@ -24,10 +24,23 @@ connect/read timeout, 503 store_timeout StoreTimeout
 404 dataset_not_found/split_not_found  DatasetNotFound / SplitNotFound
 503, other 5xx, corrupt stream         StoreUnavailable / StoreError
 other 4xx                              RequestRejected (server's detail)
+not the service's answer: 502/503/504  StoreUnavailable (a proxy whose
+                                       service is down or restarting)
+not the service's answer: otherwise    RequestRejected, error
+                                       ``not_a_data_service``
 =====================================  ==============================
 
+An answer is the service's when it is a 200 of the expected content type, or
+an error with the service's JSON body (``{"error": ..., "detail": ...}``).
+Anything else (a static file server's HTML 404, a web app's HTML 200) did not
+come from a dataferry data service: the error is one line with what was
+expected, what answered (status, content type) and the URL asked, never the
+page itself.
+
 Store errors are retryable by the engine; ``RequestRejected`` is not (the same
-request would be rejected again). The token is sent, never logged or shown.
+request would be rejected again). The token is sent, never logged or shown;
+``HttpOptions.token_file`` is read with :func:`dataferry.schema.read_token_file`,
+the server's reader: the client sends the file's first token.
 """
 
 from __future__ import annotations
@@ -43,7 +56,7 @@ from urllib.parse import quote
 import aiohttp
 from yarl import URL
 
-from dataferry.schema import DatasetInfo, IdList, Sample, SampleNotFound, SplitInfo
+from dataferry.schema import DatasetInfo, IdList, Sample, SampleNotFound, SplitInfo, read_token_file
 from dataferry.schema._errors import (
     ConfigError,
     DataferryError,
@@ -53,6 +66,7 @@ from dataferry.schema._errors import (
     StoreTimeout,
     StoreUnavailable,
 )
+from dataferry.schema._tokens import valid_token
 
 from ._framing import (
     FRAMES_TYPE,
@@ -93,7 +107,8 @@ class HttpOptions:
     ca_file: str | None = None
     #: verify the server's certificate and host name (off only for testing)
     verify: bool = True
-    #: read the bearer token from this file when ``open`` is given none
+    #: read the bearer token from this file when ``open`` is given none: the
+    #: server's token file (one per line, # comments); the first token is sent
     token_file: str | None = None
     #: bytes aiohttp buffers per response before pausing the socket
     read_buffer: int = 1 << 20
@@ -113,21 +128,23 @@ class TokenRefused(StoreUnavailable):
 
 
 class RequestRejected(DataferryError):
-    """The data service rejected a request as malformed (a 4xx other than 401/404)."""
+    """The data service rejected a request as malformed (a 4xx other than 401/404),
+    or what answered is not a data service (``error == "not_a_data_service"``)."""
 
-    def __init__(self, url: str, status: int, error: str, detail: str) -> None:
-        super().__init__(f"{url} rejected the request ({status} {error}): {detail}")
+    def __init__(self, url: str, status: int, error: str, detail: str, *, message: str | None = None) -> None:
+        super().__init__(message or f"{url} rejected the request ({status} {error}): {detail}")
         self.status, self.error, self.detail = status, error, detail
 
+    def __reduce__(self):
+        return (_rejected, (str(self), self.status, self.error, self.detail))
 
-def _read_token(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            token = fh.read().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read token file {path!r}: {exc}") from exc
-    _check(bool(token), f"token file {path!r} is empty")
-    return token
+
+def _rejected(message: str, status: int, error: str, detail: str) -> RequestRejected:
+    return RequestRejected("", status, error, detail, message=message)
+
+
+#: statuses a proxy or balancer answers while the service behind it is down or restarting
+_GATEWAY = (502, 503, 504)
 
 
 def _base_url(url: str) -> str:
@@ -170,10 +187,9 @@ class HttpSource:
         """
         base = _base_url(url)
         if token is None and options.token_file is not None:
-            token = _read_token(options.token_file)
+            token = read_token_file(options.token_file)[0]  # the server accepts each; a rotation lists old first
         if token is not None:
-            _check(bool(token) and token.isascii() and token.isprintable() and " " not in token,
-                   "token must be non-empty printable ASCII without spaces")
+            _check(valid_token(token), "token must be non-empty printable ASCII without spaces")
         connector = aiohttp.TCPConnector(
             limit=options.connections,
             limit_per_host=0,
@@ -290,28 +306,56 @@ class HttpSource:
     async def _check_response(self, resp: aiohttp.ClientResponse, ctype: str, what: str, **names: str) -> None:
         if resp.status == 200:
             if resp.content_type != ctype:
-                raise StoreError(f"{self.url}: {what}: expected {ctype}, got {resp.content_type!r} (a proxy?)")
+                raise self._not_the_service(resp, ctype, what)
             return
-        raw = await resp.content.read(1 << 16)
-        try:
-            doc = json.loads(raw)
-            error, detail = str(doc["error"]), str(doc.get("detail", ""))
-        except (ValueError, KeyError, TypeError):
-            error, detail = "http_error", raw[:200].decode("utf-8", "replace").strip() or resp.reason or ""
+        doc = await self._error_doc(resp)
         status = resp.status
         if status == 401:
             hint = "refused the token" if self._has_token else "requires a token and none was given"
+            detail = doc[1] if doc else f"HTTP 401 ({resp.content_type})"
             raise TokenRefused(f"the data service at {self.url} {hint} ({what}): {detail}")
+        if doc is None:
+            raise self._not_the_service(resp, ctype, what)
+        error, detail, body = doc
         if status == 404 and error == "dataset_not_found":
-            raise DatasetNotFound(names.get("dataset", str(doc.get("dataset", ""))))
+            raise DatasetNotFound(names.get("dataset", str(body.get("dataset", ""))), f"data service {self.url}")
         if status == 404 and error == "split_not_found":
-            raise SplitNotFound(names.get("dataset", ""), names.get("split", ""))
+            dataset = names.get("dataset", str(body.get("dataset", "")))
+            raise SplitNotFound(dataset, names.get("split", str(body.get("split", ""))), f"data service {self.url}")
         if status == 503:
             cls = StoreTimeout if error == "store_timeout" else StoreUnavailable
             raise cls(f"{self.url}: {what}: {detail or error}")
         if 400 <= status < 500:
             raise RequestRejected(self.url, status, error, detail)
         raise StoreError(f"{self.url}: {what}: HTTP {status} {error}: {detail}")
+
+    @staticmethod
+    async def _error_doc(resp: aiohttp.ClientResponse) -> tuple[str, str, dict] | None:
+        """``(error, detail, body)`` of the service's JSON error body, or None when the answer is not one."""
+        if resp.content_type != "application/json":
+            return None
+        try:
+            doc = json.loads(await resp.content.read(1 << 16))
+        except ValueError:
+            return None
+        if not isinstance(doc, dict) or not isinstance(doc.get("error"), str):
+            return None
+        return doc["error"], " ".join(str(doc.get("detail", "")).split()), doc
+
+    def _not_the_service(self, resp: aiohttp.ClientResponse, expected: str, what: str) -> DataferryError:
+        """One line for an answer that did not come from a data service: what
+        was expected, what answered, the URL asked; never the page itself."""
+        got = f"HTTP {resp.status} {resp.reason or ''}".rstrip() + f" ({resp.content_type})"
+        asked = f"{resp.method} {resp.url}"
+        if resp.status in _GATEWAY:  # a proxy or balancer whose service is down or restarting: retryable
+            return StoreUnavailable(
+                f"{self.url}: {what}: expected the data service's answer, got {got} from {asked} (a proxy?)"
+            )
+        return RequestRejected(
+            self.url, resp.status, "not_a_data_service", got,
+            message=f"not a dataferry data service at {self.url} (wrong URL or prefix?): {what}: "
+                    f"expected 200 {expected} or a JSON error, got {got} from {asked}",
+        )
 
     def _translate(self, exc: BaseException, what: str) -> StoreError:
         if isinstance(exc, (aiohttp.ServerTimeoutError, asyncio.TimeoutError)):

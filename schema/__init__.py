@@ -44,6 +44,8 @@ __all__ = [
     "SqliteOptions",
     "CassandraOptions",
     "DEFAULT_STORE_URL",
+    # the data service's token file (read by the server and the client)
+    "read_token_file",
     # ingest
     "ingest",
     "IngestOptions",
@@ -61,6 +63,7 @@ _WHERE = {
     "_store": "SampleSource Store SampleRecord FetchResult",
     "_open": "open_store",
     "_url": "parse_store_url SqliteOptions CassandraOptions DEFAULT_STORE_URL",
+    "_tokens": "read_token_file",
     "_ingest": "ingest IngestOptions IngestReport",
     "_splits": "make_splits",
     "_synthetic": "make_synthetic",

@@ -217,7 +217,7 @@ class CassandraStore:
     async def get_dataset(self, name: str) -> DatasetInfo:
         rows = await self._one("dataset", (name,), f"read dataset {name!r}")
         if not rows:
-            raise DatasetNotFound(name)
+            raise DatasetNotFound(name, f"cassandra store {self._where}")
         return self._info(rows[0])
 
     async def list_splits(self, dataset: str) -> list[SplitInfo]:
@@ -226,7 +226,7 @@ class CassandraStore:
             self._one("dataset", (dataset,), what), self._one("splits", (dataset,), what)
         )
         if not known:
-            raise DatasetNotFound(dataset)
+            raise DatasetNotFound(dataset, f"cassandra store {self._where}")
         return sorted((SplitInfo(dataset, s, n) for s, n in rows), key=lambda s: s.name)
 
     async def _split_head(self, dataset: str, split: str, what: str) -> tuple[int, int] | None:
@@ -236,8 +236,10 @@ class CassandraStore:
     async def read_split(self, dataset: str, split: str) -> IdList:
         what = f"read split {dataset}/{split}"
         head = await self._split_head(dataset, split, what)
-        if head is None:
-            raise SplitNotFound(dataset, split)
+        if head is None:  # an unknown dataset is named as such, not as a missing split
+            if not await self._one("dataset", (dataset,), what):
+                raise DatasetNotFound(dataset, f"cassandra store {self._where}")
+            raise SplitNotFound(dataset, split, f"cassandra store {self._where}")
         num_ids, num_chunks = head
         chunks: dict[int, tuple[bytes, bytes]] = {}
         jobs = ((c, (dataset, split, c)) for c in range(num_chunks))

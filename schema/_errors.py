@@ -13,9 +13,9 @@ store URL or address.
     ├── StoreError             the store failed or could not be reached
     │   ├── StoreUnavailable   no connection (dead host, refused, auth failed)
     │   └── StoreTimeout       a request outlived its timeout
-    ├── NotFound
-    │   ├── DatasetNotFound
-    │   ├── SplitNotFound
+    ├── NotFound               (a LookupError)
+    │   ├── DatasetNotFound    unknown dataset, naming it and the store, on every path
+    │   ├── SplitNotFound      a known dataset's unknown split
     │   └── SampleNotFound     also *yielded* (not raised) by SampleSource.fetch
     ├── IntegrityError         stored data contradicts itself (id collision, ...)
     └── InvalidImage           a source file failed validation (path + reason)
@@ -63,16 +63,33 @@ class NotFound(DataferryError, LookupError):
 
 
 class DatasetNotFound(NotFound):
-    def __init__(self, dataset: str) -> None:
-        super().__init__(f"unknown dataset {dataset!r}")
+    """The store has no dataset of that name; the same error on every path
+    (SQLite, Cassandra, the data service), from every catalog call.
+
+    ``store`` names where it was looked for ("sqlite store '/data/x.db'",
+    "cassandra store db1:9042/dataferry", "data service https://host:8470").
+    """
+
+    def __init__(self, dataset: str, store: str | None = None) -> None:
+        super().__init__(f"unknown dataset {dataset!r}" + (f" in {store}" if store else ""))
         self.dataset = dataset
+        self.store = store
+
+    def __reduce__(self):
+        return (DatasetNotFound, (self.dataset, self.store))
 
 
 class SplitNotFound(NotFound):
-    def __init__(self, dataset: str, split: str) -> None:
-        super().__init__(f"dataset {dataset!r} has no split {split!r}")
+    """A dataset that exists has no split of that name (an unknown dataset is DatasetNotFound)."""
+
+    def __init__(self, dataset: str, split: str, store: str | None = None) -> None:
+        super().__init__(f"dataset {dataset!r} has no split {split!r}" + (f" in {store}" if store else ""))
         self.dataset = dataset
         self.split = split
+        self.store = store
+
+    def __reduce__(self):
+        return (SplitNotFound, (self.dataset, self.split, self.store))
 
 
 class SampleNotFound(NotFound):

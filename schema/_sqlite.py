@@ -220,7 +220,7 @@ class SqliteStore:
     async def get_dataset(self, name: str) -> DatasetInfo:
         rows = await self._read(lambda c: c.execute("SELECT * FROM datasets WHERE name=?", (name,)).fetchall())
         if not rows:
-            raise DatasetNotFound(name)
+            raise DatasetNotFound(name, self._named)
         return self._info(rows[0])
 
     async def list_splits(self, dataset: str) -> list[SplitInfo]:
@@ -231,21 +231,30 @@ class SqliteStore:
 
         known, rows = await self._read(q)
         if not known:
-            raise DatasetNotFound(dataset)
+            raise DatasetNotFound(dataset, self._named)
         return [SplitInfo(dataset, s, n) for s, n in rows]
+
+    @property
+    def _named(self) -> str:
+        """This store in messages: ``sqlite store '/path/x.db'``."""
+        return f"sqlite store {self._opts.path!r}"
 
     async def read_split(self, dataset: str, split: str) -> IdList:
         def q(c):
             head = c.execute("SELECT num_chunks FROM splits WHERE dataset=? AND split=?", (dataset, split)).fetchall()
+            if not head:  # an unknown dataset is named as such, not as a missing split
+                return c.execute("SELECT 1 FROM datasets WHERE name=?", (dataset,)).fetchall(), None, []
             rows = c.execute(
                 "SELECT chunk, ids, labels FROM split_chunks WHERE dataset=? AND split=? ORDER BY chunk",
                 (dataset, split),
             ).fetchall()
-            return head, rows
+            return True, head, rows
 
-        head, rows = await self._read(q)
+        known, head, rows = await self._read(q)
+        if not known:
+            raise DatasetNotFound(dataset, self._named)
         if not head:
-            raise SplitNotFound(dataset, split)
+            raise SplitNotFound(dataset, split, self._named)
         if [r[0] for r in rows] != list(range(head[0][0])):
             raise StoreError(f"split {dataset}/{split} in {self._opts.path!r} is missing chunks")
         return IdList.from_chunks([(r[1], r[2]) for r in rows])

@@ -87,11 +87,11 @@ def cli(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from dataferry.schema import parse_store_url
+    from dataferry.schema import parse_store_url, read_token_file
     from dataferry.schema._errors import ConfigError
 
     from ._app import make_app
-    from ._options import ServerOptions, read_token_file
+    from ._options import ServerOptions
 
     parse_store_url(args.store)  # a bad URL fails here, before binding
     if bool(args.tls_cert) != bool(args.tls_key):

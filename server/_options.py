@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dataferry.schema._errors import ConfigError
+from dataferry.schema._tokens import read_token_file  # re-exported: one reader for the server and the client
 
 __all__ = ["ServerOptions", "read_token_file"]
 
@@ -76,18 +77,3 @@ class ServerOptions:
         _check(self.catalog_ttl >= 0, "catalog_ttl must be >= 0")
         _check(self.write_chunk >= 1 << 12, "write_chunk must be at least 4 KiB")
         _check(self.buffer_bytes >= self.write_chunk, "buffer_bytes must be >= write_chunk")
-
-
-def read_token_file(path: str) -> str | tuple[str, ...]:
-    """The token in ``path``, or the tokens: one per line, blank lines and
-    ``#`` comments ignored; several lines are all accepted (for rotations).
-    ConfigError names the file, never its contents."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            lines = [line.strip() for line in fh]
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read token file {path!r}: {exc}") from exc
-    tokens = tuple(t for t in lines if t and not t.startswith("#"))
-    if not tokens:
-        raise ConfigError(f"token file {path!r} is empty")
-    return tokens[0] if len(tokens) == 1 else tokens

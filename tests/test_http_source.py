@@ -29,10 +29,10 @@ from test_server_kit import make_samples, run, seed, serve
 class ServerProcess:
     """``python -m dataferry.server`` on a fixed or free port."""
 
-    def __init__(self, store_url: str, port: int = 0) -> None:
+    def __init__(self, store_url: str, port: int = 0, *args: str) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dataferry.server", "--store", store_url, "--port", str(port),
-             "--no-access-log", "--log-level", "ERROR"],
+             "--no-access-log", "--log-level", "ERROR", *args],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )
         line = self.proc.stdout.readline()
@@ -189,8 +189,11 @@ def test_a_cut_stream_yields_what_arrived_then_fails():
     assert run(go()) == [a]
 
 
-@pytest.mark.parametrize("reply,error,match", ids=["html", "bad-magic", "early-end", "502", "503", "401", "413"], argvalues=[
-    (_http("200 OK", "text/html", b"<html>proxy login</html>"), StoreError, "expected application/x-dataferry-frames"),
+@pytest.mark.parametrize("reply,error,match", ids=[
+    "html", "bad-magic", "early-end", "502", "503", "401", "413", "other-json-404", "html-401",
+], argvalues=[
+    (_http("200 OK", "text/html", b"<html>proxy login</html>"), RequestRejected,
+     r"expected 200 application/x-dataferry-frames or a JSON error, got HTTP 200 OK \(text/html\) from POST"),
     (_http("200 OK", "application/x-dataferry-frames", b"XX" + b"\0" * 40), StoreError, "corrupt response"),
     (_http("200 OK", "application/x-dataferry-frames", encode_end(0)), StoreError, "ended after 0 answers"),
     (_http("502 Bad Gateway", "text/plain", b"upstream down"), StoreError, "HTTP 502"),
@@ -200,6 +203,10 @@ def test_a_cut_stream_yields_what_arrived_then_fails():
      "requires a token"),
     (_http("413 Payload Too Large", "application/json", b'{"error": "body_too_large", "detail": "big"}'),
      RequestRejected, r"\(413 body_too_large\): big"),
+    (_http("404 Not Found", "application/json", b'{"message": "no route"}'), RequestRejected,
+     r"not a dataferry data service .*got HTTP 404 Not Found \(application/json\) from POST .*/samples$"),
+    (_http("401 Unauthorized", "text/html", b"<html>\n<h1>login</h1>\n</html>"), TokenRefused,
+     r"requires a token and none was given \(.*\): HTTP 401 \(text/html\)$"),
 ])
 def test_bad_replies_are_translated(reply, error, match):
     async def go():
@@ -262,3 +269,55 @@ def test_token_file_and_lifetime(tmp_path):
             await src.list_datasets()
 
     run(go())
+
+
+# --- the token file: one reader for the server and the client ----------------------------------------------
+def test_a_rotation_token_file_works_for_the_server_and_the_client(tmp_path):
+    """The server's two-line rotation file, given to both: the server (its CLI)
+    accepts both tokens, the client sends the first."""
+    db = f"sqlite://{tmp_path / 's.db'}"
+
+    async def prepare():
+        async with await open_store(db) as store:
+            await seed(store, "d", make_samples(3))
+
+    run(prepare())
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# rotating: old, then new\r\nold-token\r\n\nnew-token\n")
+    server = ServerProcess(db, 0, "--token-file", str(tokens))
+
+    async def go():
+        async with await HttpSource.open(server.url, options=HttpOptions(token_file=str(tokens))) as src:
+            assert len(await src.read_split("d", "all")) == 3  # the first token
+        async with await HttpSource.open(server.url, token="new-token") as src:
+            assert len(await src.read_split("d", "all")) == 3  # the second token
+        async with await HttpSource.open(server.url, token="other-token") as src:
+            with pytest.raises(TokenRefused):
+                await src.list_datasets()
+
+    try:
+        run(go())
+        with Loader(lambda: HttpSource.open(server.url, options=HttpOptions(token_file=str(tokens))), "d") as loader:
+            assert sum(len(b.ids) for b in loader) == 3
+    finally:
+        server.kill()
+
+
+@pytest.mark.parametrize("text, match", [
+    ("\n# only a comment\n\n", "is empty"),
+    ("good-token\nBearer secret-token\n", "line 2: a token is printable ASCII without spaces"),
+    ("t\u00f6ken-secret\n", "line 1: a token is printable ASCII without spaces"),
+])
+def test_a_bad_token_file_is_one_line_naming_the_file_never_the_token(tmp_path, text, match):
+    from dataferry.schema._tokens import read_token_file
+    from dataferry.server._options import read_token_file as server_reader
+
+    assert server_reader is read_token_file  # one reader for both sides
+    path = tmp_path / "tokens"
+    path.write_text(text, encoding="utf-8")
+    for attempt in (lambda: read_token_file(str(path)),
+                    lambda: run(HttpSource.open("http://127.0.0.1:1", options=HttpOptions(token_file=str(path))))):
+        with pytest.raises(ConfigError, match=match) as info:
+            attempt()
+        msg = str(info.value)
+        assert str(path) in msg and "\n" not in msg and "secret" not in msg and "good" not in msg

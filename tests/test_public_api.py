@@ -13,7 +13,7 @@ PUBLIC = {
         "NotFound", "Sample", "SampleMeta", "SampleNotFound", "SampleRecord", "SampleSource",
         "SplitInfo", "SplitNotFound", "SqliteOptions", "Store", "StoreError", "StoreTimeout",
         "StoreUnavailable", "check_name", "open_store", "parse_store_url", "sample_id",
-        "ingest", "IngestOptions", "IngestReport", "make_splits", "make_synthetic",
+        "ingest", "IngestOptions", "IngestReport", "make_splits", "make_synthetic", "read_token_file",
     ],
     "dataferry.client": [
         "Batch", "EpochPlan", "ErrorPolicy", "Faults", "FaultySource", "Hedge", "Loader", "MemorySource",
