@@ -115,7 +115,7 @@ def prepared_store(kind: str, images: int, dataset: str = "bench", store_url: st
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="dataferry-bench-"))
         if store_url is None and kind == "cassandra":
-            from dataferry.schema._devcassandra import DevCassandra
+            from ._devcassandra import DevCassandra
 
             server = stack.enter_context(DevCassandra(os.path.join(tmp, "cassandra")))
             store_url = server.url("bench", protocol_version=1)  # 1.2 speaks v1 only: skip negotiation

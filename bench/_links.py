@@ -158,7 +158,7 @@ def _serve_cassandra(host: str, images: int) -> int:
     import signal
     import threading
 
-    from dataferry.client import LinkOptions, ProxyThread
+    from ._latency_proxy import LinkOptions, ProxyThread
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -63,8 +63,9 @@ async def _naive(url: str, dataset: str, ids: list[int], seconds: float) -> tupl
 
 
 def run_stream_demo(opts: StreamDemoOptions = StreamDemoOptions()) -> str:
-    from dataferry.client import Loader, ProxyThread
-    from dataferry.client._proxy import LinkOptions
+    from dataferry.client import Loader
+
+    from ._latency_proxy import LinkOptions, ProxyThread
     from dataferry.schema import IngestOptions, ingest, make_synthetic, open_store
 
     lines = []

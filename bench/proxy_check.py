@@ -24,7 +24,8 @@ import struct
 import threading
 import time
 
-from dataferry.client._proxy import LatencyProxy, LinkOptions, parse_duration, parse_rate
+from dataferry.bench._latency_proxy import LatencyProxy, LinkOptions
+from dataferry.bench._units import parse_duration, parse_rate
 
 _ECHO, _SINK = b"E", b"S"
 

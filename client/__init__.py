@@ -8,10 +8,9 @@ from ._engine import Batch, SampleFailed
 from ._http import HttpOptions, HttpSource, RequestRejected, TokenRefused
 from ._imagebatch import ImageBatch
 from ._loader import Loader
-from ._memory import Faults, FaultySource, MemorySource
+from ._memory import MemorySource
 from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
 from ._plan import EpochPlan, make_plan
-from ._proxy import LatencyProxy, LinkOptions, ProxyStats, ProxyThread, parse_duration, parse_rate
 from ._stats import Stats
 from ._torch import TorchIterator
 from ._transforms import EvalTransform, TargetKind, TrainTransform, encode_mask, encode_multilabel
@@ -29,14 +28,6 @@ __all__ = [
     "make_plan",
     "SampleFailed",
     "MemorySource",
-    "Faults",
-    "FaultySource",
-    "LatencyProxy",
-    "LinkOptions",
-    "ProxyStats",
-    "ProxyThread",
-    "parse_duration",
-    "parse_rate",
     "HttpSource",
     "HttpOptions",
     "TokenRefused",

@@ -31,7 +31,7 @@ _COMMANDS: dict[str, tuple[str, Configure]] = {}
 #: only when its subcommand is the one asked for.
 _MODULES: dict[str, tuple[str, str]] = {
     "serve": ("dataferry.server._cli", "serve a store's samples over HTTP to remote training jobs"),
-    "latency-proxy": ("dataferry.client._proxy", "a TCP proxy that adds delay, jitter and a bandwidth cap"),
+    "latency-proxy": ("dataferry.bench._latency_proxy_cli", "a TCP proxy that adds delay, jitter and a bandwidth cap"),
     "bench": ("dataferry.bench.cli", "throughput against RTT, loss and link rate: ours, a naive DataLoader, WebDataset"),
 }
 

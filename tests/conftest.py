@@ -39,7 +39,7 @@ def cassandra_server(tmp_path_factory):
         host, _, port = external.rpartition(":")
         yield (host or "127.0.0.1", int(port or 9042))
         return
-    from dataferry.schema._devcassandra import DevCassandra
+    from dataferry.bench._devcassandra import DevCassandra
 
     server = DevCassandra(str(tmp_path_factory.mktemp("cassandra")))
     try:

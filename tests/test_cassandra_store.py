@@ -22,6 +22,7 @@ import uuid
 import numpy as np
 import pytest
 
+from dataferry.bench._devcassandra import DevCassandra, find_jar
 from dataferry.schema import (
     ConfigError,
     DatasetInfo,
@@ -38,7 +39,6 @@ from dataferry.schema import (
 )
 from dataferry.schema._cqlconnect import _auth_provider, _ssl_context
 from dataferry.schema._ddl import apply_schema, schema_statements
-from dataferry.schema._devcassandra import DevCassandra, find_jar
 from dataferry.schema._model import SPLIT_CHUNK
 
 pytestmark = pytest.mark.cassandra

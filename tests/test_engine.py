@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import queue
 import subprocess
 import sys
 import textwrap
@@ -17,8 +18,6 @@ import pytest
 
 from dataferry.client import (
     ErrorPolicy,
-    Faults,
-    FaultySource,
     Hedge,
     Loader,
     MemorySource,
@@ -30,6 +29,7 @@ from dataferry.client import (
 )
 from dataferry.schema import IdList, Sample
 from dataferry.schema._errors import ConfigError
+from faults import Faults, FaultySource
 
 
 def drain(loader) -> list[int]:
@@ -263,16 +263,55 @@ def test_state_dict_resume_delivers_exactly_the_rest():
             other.load_state_dict(state)
 
 
-def test_breaking_out_and_iterating_again_continues_the_epoch():
+def test_iter_gives_a_fresh_iterator_per_epoch():
+    """``iter(loader)`` walks the next epoch, as torch's DataLoader does; an
+    epoch iterator kept after a ``break`` continues where it left off."""
     src = JitterSource("d", synthetic(600).samples.values(), hi=0.01)
     with Loader(src, "d", batch_size=20) as loader:
+        it1, it2 = iter(loader), iter(loader)
+        assert (it1.epoch, it2.epoch) == (0, 1) and it1 is not it2
         part = []
-        for i, b in enumerate(loader):
+        for i, b in enumerate(it1):
             part += b.ids.tolist()
             if i == 4:
                 break
-        rest = drain(loader)
-    assert Counter(part + rest) == Counter(range(600))
+        part += [i for b in it1 for i in b.ids.tolist()]  # the same iterator goes on
+        assert Counter(part) == Counter(range(600))
+        assert list(it1) == []  # exhausted for good, never restarted
+        assert Counter(i for b in it2 for i in b.ids.tolist()) == Counter(range(600))
+        assert {b.epoch for b in iter(loader)} == {2}
+        # a new iter() while an epoch is unfinished abandons the rest of it
+        it = iter(loader)
+        next(it)
+        nxt = iter(loader)
+        assert Counter(i for b in nxt for i in b.ids.tolist()) == Counter(range(600)) and nxt.epoch == 4
+        assert list(it) == [] and loader.epoch == 5
+
+
+def test_get_nowait_is_non_blocking_and_get_times_out():
+    src = FaultySource(synthetic(50, latency=0.3), Faults())
+    with Loader(src, "d", batch_size=10, retry=Retry(timeout=60)) as loader:
+        it = iter(loader)
+        with pytest.raises(queue.Empty):
+            it.get_nowait()
+        got = []
+        while len(got) < 50:
+            try:
+                got += it.get_nowait().ids.tolist()
+            except queue.Empty:
+                time.sleep(0.01)
+        with pytest.raises(StopIteration):
+            while True:
+                it.get_nowait()
+
+
+def test_options_are_read_only():
+    with Loader(synthetic(10), "d", batch_size=5) as loader:
+        for name in ("batch_size", "prefetch", "retry", "hedge", "errors", "plan_options", "order", "epoch", "dataset"):
+            with pytest.raises(AttributeError):
+                setattr(loader, name, getattr(loader, name))
+        loader.set_epoch(7)
+        assert loader.epoch == 7 and next(iter(loader)).epoch == 7
 
 
 _CHILD = textwrap.dedent(

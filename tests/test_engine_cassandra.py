@@ -11,9 +11,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dataferry.client import Faults, FaultySource, Hedge, Loader, Prefetch, Retry
-from dataferry.client._proxy import LinkOptions, ProxyThread
+from dataferry.bench._latency_proxy import LinkOptions, ProxyThread
+from dataferry.client import Hedge, Loader, Prefetch, Retry
 from dataferry.schema import DatasetInfo, IdList, Sample, SampleMeta, SampleRecord, open_store
+from faults import Faults, FaultySource
 
 pytestmark = pytest.mark.cassandra
 

@@ -14,10 +14,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from dataferry.bench._devcassandra import DevCassandra
 from dataferry.client import Loader, Prefetch
 from dataferry.schema import DatasetInfo, IdList, Sample, SampleMeta, SampleRecord, open_store
 from dataferry.schema._ddl import apply_schema
-from dataferry.schema._devcassandra import DevCassandra
 from dataferry.schema._url import parse_store_url
 from test_http_source import ServerProcess
 from test_server_kit import make_samples, run, seed

@@ -23,18 +23,9 @@ import time
 
 import pytest
 
-from dataferry.client._proxy import (
-    DEFAULT_MAX_BUFFER,
-    LatencyProxy,
-    LinkOptions,
-    ProxyThread,
-    _parse_address,
-    add_cli_arguments,
-    cli,
-    parse_duration,
-    parse_rate,
-    serve_proxy,
-)
+from dataferry.bench._latency_proxy import DEFAULT_MAX_BUFFER, LatencyProxy, LinkOptions, ProxyThread
+from dataferry.bench._latency_proxy_cli import _parse_address, add_cli_arguments, cli, serve_proxy
+from dataferry.bench._units import parse_duration, parse_rate
 from dataferry.schema import ConfigError
 
 _NO_UVLOOP = importlib.util.find_spec("uvloop") is None
@@ -507,7 +498,7 @@ def test_refused_upstream_closes_the_client_and_the_proxy_keeps_serving(loop, ca
             sock.close()
         return address
 
-    with caplog.at_level(logging.WARNING, logger="dataferry.client._proxy"):
+    with caplog.at_level(logging.WARNING, logger="dataferry.bench._latency_proxy"):
         host, port = run(main(), loop)
     assert f"cannot reach upstream {host}:{port}" in caplog.text
 
@@ -671,7 +662,7 @@ def test_serve_proxy_prints_its_address_and_serves_until_cancelled(capsys):
 
 _CLI_MAIN = """
 import argparse, sys
-from dataferry.client._proxy import add_cli_arguments, cli
+from dataferry.bench._latency_proxy_cli import add_cli_arguments, cli
 parser = argparse.ArgumentParser()
 add_cli_arguments(parser)
 sys.exit(cli(parser.parse_args(sys.argv[1:])))

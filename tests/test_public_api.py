@@ -16,9 +16,8 @@ PUBLIC = {
         "ingest", "IngestOptions", "IngestReport", "make_splits", "make_synthetic", "read_token_file",
     ],
     "dataferry.client": [
-        "Batch", "EpochPlan", "ErrorPolicy", "Faults", "FaultySource", "Hedge", "Loader", "MemorySource",
+        "Batch", "EpochPlan", "ErrorPolicy", "Hedge", "Loader", "MemorySource",
         "PlanOptions", "Prefetch", "Retry", "SampleFailed", "Stats", "make_plan",
-        "LatencyProxy", "LinkOptions", "ProxyStats", "ProxyThread", "parse_duration", "parse_rate",
         "HttpSource", "HttpOptions", "TokenRefused", "RequestRejected",
         "DaliIterator", "DaliOptions", "TorchIterator", "ImageBatch", "TrainTransform", "EvalTransform",
         "TargetKind", "encode_mask", "encode_multilabel",

