@@ -7,7 +7,7 @@ from ._dali import DaliIterator, DaliOptions
 from ._engine import Batch, SampleFailed
 from ._http import HttpOptions, HttpSource, RequestRejected, TokenRefused
 from ._imagebatch import ImageBatch
-from ._loader import Loader
+from ._loader import Loader, LoaderEpoch
 from ._memory import MemorySource
 from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
 from ._plan import EpochPlan, make_plan
@@ -17,6 +17,7 @@ from ._transforms import EvalTransform, TargetKind, TrainTransform, encode_mask,
 
 __all__ = [
     "Loader",
+    "LoaderEpoch",
     "Batch",
     "Stats",
     "PlanOptions",

@@ -249,9 +249,12 @@ class _Feeder:
     def __init__(self, loader, transform: Transform, targets: TargetKind, seed: int) -> None:
         self.loader, self.transform, self.targets, self.seed = loader, transform, targets, seed
         self.inflight: deque[tuple[Prepared, tuple]] = deque()
+        self.epoch = None  # the LoaderEpoch fed from; set by the iterator
 
     def __call__(self):
-        batch = self.loader.get()  # StopIteration at the end of the epoch: DALI ends its epoch
+        if self.epoch is None:
+            self.epoch = iter(self.loader)
+        batch = self.epoch.get()  # StopIteration at the end of the epoch: DALI ends its epoch
         prep = prepare(batch, self.transform, self.targets, self.loader.dataset, self.seed)
         arrays = feed_arrays(prep, self.targets)
         self.inflight.append((prep, arrays))  # keeps the no_copy buffers alive
@@ -308,7 +311,19 @@ class DaliIterator(ImageIterator):
     def torch_device(self):
         return self._torch.device("cuda", self.device_id) if self.device == "gpu" else self._torch.device("cpu")
 
-    def __next__(self) -> ImageBatch:
+    def _begin(self, epoch) -> None:
+        if self._feeder.inflight:
+            raise DataferryError(
+                f"epoch {self._feeder.epoch.epoch} still has {len(self._feeder.inflight)} batch(es) in DALI: "
+                f"finish it before taking from epoch {epoch.epoch}"
+            )
+        self._feeder.epoch = epoch
+        super()._begin(epoch)
+
+    def _next_nowait(self) -> ImageBatch:
+        raise NotImplementedError("DaliIterator has no get_nowait: DALI's run() blocks")
+
+    def _next(self) -> ImageBatch:
         pipe = self._state.get("pipeline")
         if pipe is None:
             raise DataferryError("iterator is closed")

@@ -197,11 +197,18 @@ class _Req:
 
 
 class _Epoch:
-    """Per-epoch state: what is done, what is covered, and batch assembly."""
+    """One epoch: what is done, what is covered, its retries, and batch assembly.
 
-    def __init__(self, plan: EpochPlan, done: Progress | None) -> None:
+    Assembly (:meth:`deliver`, :meth:`finish`) puts finished batches in
+    ``outbox``; the :class:`Run` hands them to the consumer once this epoch is
+    the current one. ``partial_bytes`` counts delivered bytes not yet in a
+    handed-over batch (the batch being filled, and in-order samples held back).
+    """
+
+    def __init__(self, plan: EpochPlan, done: Progress | None, *, batch_size: int, in_order: bool) -> None:
         self.plan = plan
         self.n = len(plan)
+        self.batch_size, self.in_order = batch_size, in_order
         self.completed = done.copy() if done is not None else Progress(self.n)
         self.cursor = 0
         self.cover: dict[int, int] = {}  # position -> requests covering it
@@ -217,7 +224,7 @@ class _Epoch:
         self.skipped: list[int] = []
         self.skipped_count = 0
         self.partial_bytes = 0
-        self.outbox: list[Batch] = []  # batches made while this epoch was the look-ahead
+        self.outbox: list[Batch] = []  # finished batches not yet handed to the consumer
         self.finished = False  # its end has been emitted
 
     def fresh(self, k: int) -> list[int]:
@@ -230,6 +237,63 @@ class _Epoch:
             cur += 1
         self.cursor = cur
         return out
+
+    # --- batch assembly ----------------------------------------------------------
+    def deliver(self, pos: int, sample: Sample | None, nbytes: int) -> None:
+        """Position ``pos`` is done: ``sample`` (None: skipped) of ``nbytes``."""
+        self.partial_bytes += nbytes
+        if not self.in_order:
+            self._take(pos, sample)
+            return
+        self.held[pos] = sample
+        while True:
+            if self.release in self.held:
+                self._take(self.release, self.held.pop(self.release))
+            elif self.release not in self.done_before:
+                break
+            self.release += 1
+
+    def _take(self, pos: int, sample: Sample | None) -> None:
+        if sample is None:
+            self.skipped.append(pos)
+            return
+        self.batch.append((pos, sample))
+        if len(self.batch) >= self.batch_size:
+            self._flush()
+
+    def _flush(self) -> None:
+        items, self.batch = self.batch, []
+        nbytes = sum(len(s.data) for _, s in items)
+        targets = [s.target for _, s in items]
+        self.outbox.append(Batch(
+            ids=np.fromiter((s.id for _, s in items), np.int64, len(items)),
+            labels=np.fromiter((s.label for _, s in items), np.int32, len(items)),
+            data=[np.frombuffer(s.data, np.uint8) for _, s in items],
+            targets=targets if any(t is not None for t in targets) else None,
+            epoch=self.plan.epoch,
+            positions=np.fromiter((p for p, _ in items), np.int64, len(items)),
+            nbytes=nbytes,
+            skipped=tuple(self.skipped),
+        ))
+        self.skipped = []
+        self.partial_bytes -= nbytes
+
+    def finish(self, drop_last: bool) -> tuple[EndOfEpoch, int]:
+        """Flush (or drop) the last partial batch; the end marker and the bytes dropped."""
+        dropped: list[int] = []
+        nbytes = 0
+        if self.batch:
+            if drop_last:
+                dropped = [p for p, _ in self.batch]
+                nbytes = sum(len(s.data) for _, s in self.batch)
+                self.partial_bytes -= nbytes
+                self.batch = []
+            else:
+                self._flush()
+        end = EndOfEpoch(self.plan.epoch, tuple(self.skipped) + tuple(dropped))
+        self.skipped = []
+        self.finished = True
+        return end, nbytes
 
 
 class Run:
@@ -261,11 +325,13 @@ class Run:
     ) -> None:
         self.source, self.dataset = source, dataset
         self.batch_size, self.drop_last, self.in_order = batch_size, drop_last, in_order
+        #: bytes in batches made and not yet taken by the consumer (and in partial batches)
+        self.ready_bytes = 0
         self.prefetch, self.retry, self.hedge, self.errors = prefetch, retry, hedge, errors
         self.c = counters
         self._emit = emit
         self._next_plan = next_plan
-        self.current = _Epoch(plan, done)
+        self.current = self._epoch(plan, done)
         self.ahead: _Epoch | None = None
         self.request_size = prefetch.request_size or getattr(source, "preferred_request_size", 32)
         self.link = link if link is not None else Link(prefetch, hedge)
@@ -286,7 +352,7 @@ class Run:
     # --- called from the consumer's thread via call_soon_threadsafe ----------
     def release(self, nbytes: int) -> None:
         """The consumer took a batch of ``nbytes``: the budget frees up."""
-        self.c.ready_bytes -= nbytes
+        self.ready_bytes -= nbytes
         self._poke()
 
     def _poke(self) -> None:
@@ -325,8 +391,10 @@ class Run:
         while True:
             cur = self.current
             if cur.completed.complete and not cur.finished:
-                self._finish(cur)
-                cur.finished = True
+                end, dropped = cur.finish(self.drop_last)
+                self.ready_bytes -= dropped
+                self._hand_over(cur)
+                self._emit(end)
             if not cur.finished:
                 return
             if self.ahead is None:
@@ -337,15 +405,23 @@ class Run:
                 if self.ahead is None:
                     return  # the consumer is a whole epoch behind: wait for it
             self.current, self.ahead = self.ahead, None
-            for batch in self.current.outbox:
+            self._hand_over(self.current)
+
+    def _epoch(self, plan: EpochPlan, done: Progress | None = None) -> _Epoch:
+        return _Epoch(plan, done, batch_size=self.batch_size, in_order=self.in_order)
+
+    def _hand_over(self, ep: _Epoch) -> None:
+        """Emit ``ep``'s finished batches, if it is the current epoch."""
+        if ep is self.current and ep.outbox:
+            for batch in ep.outbox:
                 self._emit(batch)
-            self.current.outbox = []
+            ep.outbox = []
 
     def _make_ahead(self) -> _Epoch | None:
         epoch = self.current.plan.epoch + 1
         if self._next_plan is None or epoch > self._consumer_epoch + 1:
             return None
-        return _Epoch(self._next_plan(epoch), None)
+        return self._epoch(self._next_plan(epoch))
 
     def consumer_at(self, epoch: int) -> None:
         """The consumer moved on to ``epoch`` (called on the loop)."""
@@ -353,8 +429,7 @@ class Run:
         self._poke()
 
     def _budget_allows(self, est: int, ep: _Epoch) -> bool:
-        c = self.c
-        fits = self._reserved + c.ready_bytes + est <= self.prefetch.max_bytes
+        fits = self._reserved + self.ready_bytes + est <= self.prefetch.max_bytes
         if ep is not self.current:
             # the look-ahead holds at most half the budget: the rest stays for the current epoch
             return fits and ep.reserved + self._ahead_bytes() + est <= self.prefetch.max_bytes // 2
@@ -362,7 +437,7 @@ class Run:
             return True
         # progress guarantee for the current epoch: with none of its requests in
         # flight and nothing of it waiting for the consumer, one request may go
-        return not ep.active and c.ready_bytes - self._ahead_bytes() - ep.partial_bytes <= 0
+        return not ep.active and self.ready_bytes - self._ahead_bytes() - ep.partial_bytes <= 0
 
     def _ahead_bytes(self) -> int:
         ahead = self.ahead
@@ -476,7 +551,7 @@ class Run:
             req.deadline = now + self.link.hedge_after
         self._reserved += reserved
         ep.reserved += reserved
-        self.c.peak_bytes = max(self.c.peak_bytes, self._reserved + self.c.ready_bytes)
+        self.c.peak_bytes = max(self.c.peak_bytes, self._reserved + self.ready_bytes)
         req.task = asyncio.ensure_future(self._fetch(req))
         self._active.add(req)
         ep.active += 1
@@ -521,6 +596,8 @@ class Run:
                 first = False
             else:
                 self.c.duplicates += 1
+        if ep.outbox:
+            self._hand_over(ep)
         twin = req.twin
         if twin is not None and twin.task is not None and not twin.task.done():
             if all(all(q in ep.completed for q in ps) for ps in twin.positions.values()):
@@ -614,62 +691,9 @@ class Run:
         ep.completed.add(pos)
         ep.skipped_count += 1
         self._deliver(ep, pos, None, 0)
+        self._hand_over(ep)
 
-    # --- batch assembly --------------------------------------------------------
     def _deliver(self, ep: _Epoch, pos: int, sample: Sample | None, nbytes: int) -> None:
-        self.c.ready_bytes += nbytes
-        ep.partial_bytes += nbytes
-        self.c.peak_bytes = max(self.c.peak_bytes, self._reserved + self.c.ready_bytes)
-        if not self.in_order:
-            self._take(ep, pos, sample)
-            return
-        ep.held[pos] = sample
-        while True:
-            if ep.release in ep.held:
-                self._take(ep, ep.release, ep.held.pop(ep.release))
-            elif ep.release not in ep.done_before:
-                break
-            ep.release += 1
-
-    def _take(self, ep: _Epoch, pos: int, sample: Sample | None) -> None:
-        if sample is None:
-            ep.skipped.append(pos)
-            return
-        ep.batch.append((pos, sample))
-        if len(ep.batch) >= self.batch_size:
-            self._flush(ep)
-
-    def _flush(self, ep: _Epoch) -> None:
-        items, ep.batch = ep.batch, []
-        nbytes = sum(len(s.data) for _, s in items)
-        targets = [s.target for _, s in items]
-        batch = Batch(
-            ids=np.fromiter((s.id for _, s in items), np.int64, len(items)),
-            labels=np.fromiter((s.label for _, s in items), np.int32, len(items)),
-            data=[np.frombuffer(s.data, np.uint8) for _, s in items],
-            targets=targets if any(t is not None for t in targets) else None,
-            epoch=ep.plan.epoch,
-            positions=np.fromiter((p for p, _ in items), np.int64, len(items)),
-            nbytes=nbytes,
-            skipped=tuple(ep.skipped),
-        )
-        ep.skipped = []
-        ep.partial_bytes -= nbytes
-        if ep is self.current:
-            self._emit(batch)
-        else:
-            ep.outbox.append(batch)
-
-    def _finish(self, ep: _Epoch) -> None:
-        dropped: list[int] = []
-        if ep.batch:
-            if self.drop_last:
-                dropped = [p for p, _ in ep.batch]
-                nbytes = sum(len(s.data) for _, s in ep.batch)
-                self.c.ready_bytes -= nbytes
-                ep.partial_bytes -= nbytes
-                ep.batch = []
-            else:
-                self._flush(ep)
-        self._emit(EndOfEpoch(ep.plan.epoch, tuple(ep.skipped) + tuple(dropped)))
-        ep.skipped = []
+        self.ready_bytes += nbytes
+        self.c.peak_bytes = max(self.c.peak_bytes, self._reserved + self.ready_bytes)
+        ep.deliver(pos, sample, nbytes)

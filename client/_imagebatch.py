@@ -180,6 +180,8 @@ class ImageIterator:
         self.loader, self.transform, self.targets, self.map = loader, transform, targets, map
         self.seed = loader.plan_options.seed if seed is None else seed
         self._torch = torch
+        self._epoch = None  # the LoaderEpoch batches are taken from
+        self._bare_done = False  # next() without iter() ran an epoch to its end
 
     def _in_flight(self) -> list[Batch]:
         raise NotImplementedError
@@ -205,8 +207,27 @@ class ImageIterator:
     def __len__(self) -> int:
         return len(self.loader)
 
-    def __iter__(self):
-        return self
+    def __iter__(self) -> ImageEpoch:
+        """A fresh iterator over the loader's next epoch (see :class:`ImageEpoch`)."""
+        return ImageEpoch(self, iter(self.loader))
+
+    def __next__(self) -> ImageBatch:
+        """The next batch of the epoch begun last (the loader's running one if none)."""
+        if self._epoch is None or self._bare_done:
+            self._bare_done = False
+            self._begin(iter(self.loader))
+        try:
+            return self._next()
+        except StopIteration:
+            self._bare_done = True  # the next next() begins the next epoch
+            raise
+
+    def _begin(self, epoch) -> None:
+        """Start taking batches from ``epoch`` (a :class:`LoaderEpoch`)."""
+        self._epoch = epoch
+
+    def _next(self) -> ImageBatch:
+        raise NotImplementedError
 
     def state_dict(self) -> dict:
         """The loader's state, less the batches in flight here (exact resume)."""
@@ -240,3 +261,51 @@ def _register_dataset(torch) -> None:
     if not _registered:
         torch.utils.data.IterableDataset.register(ImageIterator)
         _registered = True
+
+
+class ImageEpoch:
+    """One epoch of a :class:`TorchIterator` or :class:`DaliIterator` (what
+    ``iter(it)`` returns), as :class:`LoaderEpoch` is for the loader: each
+    ``iter(it)`` walks the next epoch; it stops at the epoch's end and stays
+    stopped; taking from a later epoch's iterator abandons this one's rest."""
+
+    __slots__ = ("_owner", "_epoch", "_done")
+
+    def __init__(self, owner: ImageIterator, epoch) -> None:
+        self._owner, self._epoch, self._done = owner, epoch, False
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch.epoch
+
+    def __iter__(self) -> ImageEpoch:
+        return self
+
+    def _switch(self) -> ImageIterator:
+        owner = self._owner
+        if not self._done and owner._epoch is not self._epoch:
+            if self._epoch.epoch < owner.loader.epoch:
+                self._done = True  # the loader is past this epoch
+            else:
+                owner._begin(self._epoch)  # the owner's earlier epoch, if unfinished, is abandoned
+        if self._done:
+            raise StopIteration
+        return owner
+
+    def __next__(self) -> ImageBatch:
+        try:
+            return self._switch()._next()
+        except StopIteration:
+            self._done = True
+            raise
+
+    def get_nowait(self) -> ImageBatch:
+        """The next decoded batch if one is ready, else ``queue.Empty``."""
+        try:
+            return self._switch()._next_nowait()
+        except StopIteration:
+            self._done = True
+            raise
+
+    def __len__(self) -> int:
+        return len(self._owner)

@@ -1,15 +1,20 @@
 """The sync facade: ``Loader`` runs the async engine in one background thread.
 
-The training loop sees an iterator of :class:`Batch` (``for batch in
-loader``), ``get(timeout)``, ``state_dict()``/``load_state_dict()``,
-``stats()``, and ``close()`` (safe to call twice; also a context manager).
+The training loop sees per-epoch iterators, as with torch's DataLoader or
+SPDL's ``get_iterator()``: each ``iter(loader)`` returns a fresh
+:class:`LoaderEpoch` for the next epoch (``it1 = iter(loader); it2 =
+iter(loader)`` walk two consecutive epochs). An epoch iterator gives
+:class:`Batch` es (``for batch in it``, ``get(timeout)``, ``get_nowait()``,
+which raises :class:`queue.Empty` when no batch is ready) and stops at the
+epoch's end. Starting the next epoch's iterator before one is exhausted
+abandons the rest of it, as torch does. After ``load_state_dict()`` the next
+``iter()`` delivers exactly the rest of the saved epoch. ``loader.get()``
+reads the running epoch directly (StopIteration at its end, then the next).
 
-Epochs: iterating runs the current epoch (``loader.epoch``) to its end, then
-the epoch counter advances. Breaking out and iterating again continues the
-same epoch where the consumer left off; every sample of an epoch is handed
-out exactly once either way. ``set_epoch(e)`` starts epoch ``e`` afresh.
 The engine prefetches the next epoch while the current one finishes, so the
-link does not drain at epoch boundaries.
+link does not drain at epoch boundaries. Options are read-only: a new option
+means a new Loader. Counters have one writer each: the engine's loop, or the
+consumer's thread; ``stats()`` merges them.
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ from ._engine import Batch, EndOfEpoch, Link, Run, describe_source, retrying
 from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
 from ._plan import EpochPlan, make_plan, split_digest
 from ._progress import Progress
-from ._stats import Counters, Stats
+from ._stats import Counters, Stats, Taken, snapshot
 
-__all__ = ["Loader"]
+__all__ = ["Loader", "LoaderEpoch"]
 
 log = logging.getLogger("dataferry.client")
 
@@ -151,12 +156,14 @@ class Loader:
             raise ConfigError(f"order must be 'completion' or 'input', not {order!r}")
         if ids is None and hasattr(source, "fetch") and not hasattr(source, "read_split"):
             raise ConfigError("this source has no catalog: pass ids=IdList(...)")
-        self.dataset, self.split = dataset, split
-        self.batch_size, self.drop_last, self.order = batch_size, drop_last, order
-        self.plan_options, self.prefetch, self.retry, self.hedge, self.errors = plan, prefetch, retry, hedge, errors
-        self.epoch = epoch
+        self._dataset, self._split = dataset, split
+        self._batch_size, self._drop_last, self._order = batch_size, drop_last, order
+        self._plan_options, self._prefetch, self._retry, self._hedge, self._errors = plan, prefetch, retry, hedge, errors
+        self._epoch = epoch
+        self._claimed = epoch  # the epoch the next iter() walks
         self._ids = ids
-        self._counters = Counters()
+        self._counters = Counters()  # written on the engine's loop
+        self._taken = Taken()  # written by the consumer's thread
         self._link = Link(prefetch, hedge)
         self._queue: queue.Queue = queue.Queue()
         self._gen = 0  # generation of the running epoch; stale queue items are dropped
@@ -180,8 +187,25 @@ class Loader:
         """On the loop: log a stats line to ``dataferry.client`` every ``interval`` s."""
         if self._closed:
             return
-        log.info("%s: %s", self.dataset, self._counters.snapshot())
+        log.info("%s: %s", self.dataset, self.stats())
         self._lt.loop.call_later(interval, self._log_stats, interval)
+
+    # --- options (read-only: a new option means a new Loader) ----------------------------
+    dataset = property(lambda self: self._dataset, doc="the dataset's name")
+    split = property(lambda self: self._split, doc="the split read")
+    batch_size = property(lambda self: self._batch_size)
+    drop_last = property(lambda self: self._drop_last)
+    order = property(lambda self: self._order, doc='"completion" or "input"')
+    plan_options = property(lambda self: self._plan_options)
+    prefetch = property(lambda self: self._prefetch)
+    retry = property(lambda self: self._retry)
+    hedge = property(lambda self: self._hedge)
+    errors = property(lambda self: self._errors)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the consumer is on (``set_epoch`` or ``load_state_dict`` move it)."""
+        return self._epoch
 
     # --- epochs ------------------------------------------------------------------
     def _idlist(self) -> IdList:
@@ -203,9 +227,13 @@ class Loader:
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning at the next iteration."""
+        """The next ``iter()`` starts ``epoch`` from its beginning."""
+        self._move_to(epoch)
+        self._claimed = epoch
+
+    def _move_to(self, epoch: int) -> None:
         self._stop_run()
-        self.epoch = epoch
+        self._epoch = epoch
         self._delivered = None
 
     def _stop_run(self) -> None:
@@ -233,7 +261,6 @@ class Loader:
         def next_plan(epoch: int) -> EpochPlan:
             return make_plan(idlist, epoch, options, digest=digest)
 
-        self._counters.ready_bytes = 0
         run = Run(
             self._source, self.dataset, plan,
             batch_size=self.batch_size, drop_last=self.drop_last, in_order=self.order == "input",
@@ -254,62 +281,72 @@ class Loader:
         self._state["task"] = _FutureTask(fut, self._lt.loop)
 
     # --- iteration -----------------------------------------------------------------
-    def __iter__(self) -> Iterator[Batch]:
-        if self._run is None:
-            self._start_run()
-        return self
-
-    def __next__(self) -> Batch:
-        return self.get()
+    def __iter__(self) -> LoaderEpoch:
+        """A fresh iterator over the next epoch (the rest of it, after a resume)."""
+        epoch = max(self._claimed, self._epoch)
+        self._claimed = epoch + 1
+        return LoaderEpoch(self, epoch)
 
     def get(self, timeout: float | None = None) -> Batch:
-        """The next batch of the running epoch; StopIteration at its end.
+        """The next batch of the running epoch; StopIteration at its end (the
+        next call goes on with the next epoch).
 
         Raises TimeoutError when no batch arrives within ``timeout`` seconds,
         and the engine's error (e.g. SampleFailed naming the sample) if it failed.
         """
+        return self._take(self._epoch, True, timeout)
+
+    def get_nowait(self) -> Batch:
+        """The next batch of the running epoch if one is ready, else :class:`queue.Empty`."""
+        return self._take(self._epoch, False, None)
+
+    def _take(self, epoch: int, block: bool, timeout: float | None) -> Batch:
+        if self._closed:
+            raise DataferryError("loader is closed")
+        if epoch < self._epoch:
+            raise StopIteration  # that epoch is over (or was abandoned)
+        if epoch > self._epoch:
+            self._move_to(epoch)  # a later epoch's iterator started: the rest of this one is abandoned
         if self._run is None:
-            if self._closed:
-                raise DataferryError("loader is closed")
             self._start_run()
+        q = self._queue
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                gen, item = self._queue.get_nowait()
+                gen, item = q.get_nowait()
             except queue.Empty:
+                if not block:
+                    raise
                 t0 = time.monotonic()
                 try:
-                    left = None if deadline is None else max(0.0, deadline - t0)
-                    gen, item = self._queue.get(timeout=left)
+                    gen, item = q.get(timeout=None if deadline is None else max(0.0, deadline - t0))
                 except queue.Empty:
                     raise TimeoutError(f"no batch of {self.dataset!r} within {timeout} s") from None
                 finally:
-                    self._counters.stall += time.monotonic() - t0
-            if gen != self._gen:
-                continue
-            return self._accept(item)
+                    self._taken.stall += time.monotonic() - t0
+            if gen == self._gen:
+                return self._accept(item)
 
     def _accept(self, item) -> Batch:
-        run, delivered = self._run, self._delivered
-        c = self._counters
+        run, delivered, t = self._run, self._delivered, self._taken
         if isinstance(item, Batch):
             self._lt.loop.call_soon_threadsafe(run.release, item.nbytes)
             for p in item.positions.tolist():
                 delivered.add(p)
             for p in item.skipped:
                 delivered.add(p)
-            c.samples += len(item)
-            c.batches += 1
-            c.skipped += len(item.skipped)
+            t.samples += len(item)
+            t.batches += 1
+            t.skipped += len(item.skipped)
             return item
         if isinstance(item, EndOfEpoch):
             # the run goes on into the next epoch, already prefetched
             for p in item.skipped:
                 delivered.add(p)
-            c.skipped += len(item.skipped)
-            self.epoch += 1
-            self._delivered = Progress(len(self._plan_for(self.epoch)))
-            self._lt.loop.call_soon_threadsafe(run.consumer_at, self.epoch)
+            t.skipped += len(item.skipped)
+            self._epoch += 1
+            self._delivered = Progress(len(self._plan_for(self._epoch)))
+            self._lt.loop.call_soon_threadsafe(run.consumer_at, self._epoch)
             raise StopIteration
         self._stop_run()
         raise item.exc
@@ -339,8 +376,8 @@ class Loader:
         if state.get("version") != _STATE_VERSION:
             raise ConfigError(f"unsupported loader state version {state.get('version')!r}")
         self._stop_run()
-        self.epoch = int(state["epoch"])
-        plan = self._plan_for(self.epoch)
+        epoch = int(state["epoch"])
+        plan = make_plan(self._idlist(), epoch, self._plan_options)
         checks = {
             "dataset": self.dataset, "seed": plan.seed, "rank": plan.rank,
             "world_size": plan.world_size, "split_digest": plan.source_digest, "num_samples": len(plan),
@@ -348,11 +385,14 @@ class Loader:
         for key, mine in checks.items():
             if state.get(key) != mine:
                 raise ConfigError(f"loader state does not match this loader: {key} is {state.get(key)!r}, not {mine!r}")
+        self._epoch = self._claimed = epoch
+        self._plan = plan
         self._delivered = Progress(len(plan), int(state["frontier"]), state["beyond"])
 
     # --- stats and lifetime --------------------------------------------------------------
     def stats(self) -> Stats:
-        return self._counters.snapshot()
+        run = self._run
+        return snapshot(self._counters, self._taken, 0 if run is None else run.ready_bytes)
 
     def close(self) -> None:
         """Stop the engine, close an owned source, end the thread. Idempotent."""
@@ -377,3 +417,45 @@ class _FutureTask:
 
     def cancel(self) -> None:
         self._fut.cancel()
+
+
+class LoaderEpoch:
+    """One epoch of a :class:`Loader` (what ``iter(loader)`` returns).
+
+    Iterate it, or take batches with :meth:`get` (blocking, with a timeout)
+    and :meth:`get_nowait` (``queue.Empty`` when none is ready). It stops at
+    the epoch's end, and stays stopped; a new ``iter(loader)`` walks the next
+    epoch.
+    """
+
+    __slots__ = ("loader", "epoch", "_done")
+
+    def __init__(self, loader: Loader, epoch: int) -> None:
+        self.loader, self.epoch = loader, epoch
+        self._done = False
+
+    def __iter__(self) -> LoaderEpoch:
+        return self
+
+    def __next__(self) -> Batch:
+        return self.get()
+
+    def get(self, timeout: float | None = None) -> Batch:
+        """The next batch; StopIteration at the epoch's end, TimeoutError after ``timeout`` s."""
+        return self._take(True, timeout)
+
+    def get_nowait(self) -> Batch:
+        """The next batch if one is ready, else ``queue.Empty``; StopIteration at the end."""
+        return self._take(False, None)
+
+    def _take(self, block: bool, timeout: float | None) -> Batch:
+        if self._done:
+            raise StopIteration
+        try:
+            return self.loader._take(self.epoch, block, timeout)
+        except StopIteration:
+            self._done = True
+            raise
+
+    def __len__(self) -> int:
+        return len(self.loader)

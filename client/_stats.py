@@ -5,17 +5,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, fields
 
-__all__ = ["Counters", "Stats"]
+__all__ = ["Counters", "Taken", "Stats", "snapshot"]
 
 
 class Counters:
-    """Mutated by the engine's loop (``samples``, ``batches``, ``skipped`` and
-    ``stall`` by the consumer, as it takes batches); read anywhere."""
+    """The engine's counters: written only on the engine's event loop, read anywhere."""
 
     def __init__(self) -> None:
         self.started = time.monotonic()
-        self.samples = 0
-        self.batches = 0
         self.bytes = 0
         self.requests = 0
         self.inflight = 0
@@ -25,34 +22,43 @@ class Counters:
         self.failures = 0
         self.hedges = 0
         self.duplicates = 0
-        self.skipped = 0
-        self.ready_bytes = 0
         self.peak_bytes = 0
+
+
+class Taken:
+    """The consumer's counters: written only by the thread that takes batches."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.batches = 0
+        self.skipped = 0
         self.stall = 0.0  # seconds the consumer waited for a batch
 
-    def snapshot(self, reserved: int = 0) -> Stats:
-        elapsed = max(time.monotonic() - self.started, 1e-9)
-        return Stats(
-            elapsed=elapsed,
-            samples=self.samples,
-            batches=self.batches,
-            bytes=self.bytes,
-            samples_per_s=self.samples / elapsed,
-            bytes_per_s=self.bytes / elapsed,
-            requests=self.requests,
-            inflight=self.inflight,
-            window=self.window,
-            rtt=self.rtt,
-            retries=self.retries,
-            failures=self.failures,
-            hedges=self.hedges,
-            duplicates=self.duplicates,
-            skipped=self.skipped,
-            ready_bytes=self.ready_bytes,
-            peak_bytes=self.peak_bytes,
-            stall=self.stall,
-            stall_fraction=min(1.0, self.stall / elapsed),
-        )
+
+def snapshot(c: Counters, taken: Taken, ready_bytes: int) -> Stats:
+    """Both sides' counters as one frozen :class:`Stats`."""
+    elapsed = max(time.monotonic() - c.started, 1e-9)
+    return Stats(
+        elapsed=elapsed,
+        samples=taken.samples,
+        batches=taken.batches,
+        bytes=c.bytes,
+        samples_per_s=taken.samples / elapsed,
+        bytes_per_s=c.bytes / elapsed,
+        requests=c.requests,
+        inflight=c.inflight,
+        window=c.window,
+        rtt=c.rtt,
+        retries=c.retries,
+        failures=c.failures,
+        hedges=c.hedges,
+        duplicates=c.duplicates,
+        skipped=taken.skipped,
+        ready_bytes=ready_bytes,
+        peak_bytes=c.peak_bytes,
+        stall=taken.stall,
+        stall_fraction=min(1.0, taken.stall / elapsed),
+    )
 
 
 @dataclass(frozen=True, slots=True)

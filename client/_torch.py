@@ -17,6 +17,7 @@ Epochs, resume (leaving out the batches in flight), the batch type and the
 from __future__ import annotations
 
 import os
+import queue
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -108,13 +109,33 @@ class TorchIterator(ImageIterator):
         self._fifo: deque[_Job] = deque()
         self._ended = False  # the loader's epoch ended; drain the fifo, pull nothing more
 
-    def __next__(self) -> ImageBatch:
+    def _begin(self, epoch) -> None:
+        self._fifo.clear()  # batches of an abandoned epoch
+        self._ended = False
+        super()._begin(epoch)
+
+    def _next(self) -> ImageBatch:
         if self._finalizer.alive is False:
             raise DataferryError("iterator is closed")
         self._fill(block=not self._fifo)
         if not self._fifo:
-            self._ended = False
             raise StopIteration
+        return self._pop()
+
+    def _next_nowait(self) -> ImageBatch:
+        """A decoded batch if the first in line is done, else ``queue.Empty``."""
+        if self._finalizer.alive is False:
+            raise DataferryError("iterator is closed")
+        self._fill(block=False)
+        if not self._fifo:
+            if self._ended:
+                raise StopIteration
+            raise queue.Empty
+        if not all(f.done() for f in self._fifo[0].futures):
+            raise queue.Empty
+        return self._pop()
+
+    def _pop(self) -> ImageBatch:
         job = self._fifo[0]
         for f in job.futures:
             f.result()  # raises the first decode error, naming the sample
@@ -132,13 +153,11 @@ class TorchIterator(ImageIterator):
     def _fill(self, *, block: bool) -> None:
         while not self._ended and len(self._fifo) < self.prefetch:
             try:
-                batch = self.loader.get(timeout=None if block else 0)
+                batch = self._epoch.get() if block else self._epoch.get_nowait()
             except StopIteration:
                 self._ended = True
                 return
-            except TimeoutError as exc:
-                if type(exc) is not TimeoutError:  # a store timeout, not "nothing ready yet"
-                    raise
+            except queue.Empty:
                 return
             self._fifo.append(self._submit(batch))
             block = False
@@ -165,7 +184,7 @@ class TorchIterator(ImageIterator):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self._ended = False
+        self._epoch = None  # the next iteration starts the restored epoch
 
     def close(self) -> None:
         """Stop the decode threads (not the loader). Idempotent."""

@@ -16,7 +16,7 @@ PUBLIC = {
         "ingest", "IngestOptions", "IngestReport", "make_splits", "make_synthetic", "read_token_file",
     ],
     "dataferry.client": [
-        "Batch", "EpochPlan", "ErrorPolicy", "Hedge", "Loader", "MemorySource",
+        "Batch", "EpochPlan", "ErrorPolicy", "Hedge", "Loader", "LoaderEpoch", "MemorySource",
         "PlanOptions", "Prefetch", "Retry", "SampleFailed", "Stats", "make_plan",
         "HttpSource", "HttpOptions", "TokenRefused", "RequestRejected",
         "DaliIterator", "DaliOptions", "TorchIterator", "ImageBatch", "TrainTransform", "EvalTransform",

@@ -7,6 +7,8 @@ The helpers here (sample makers, the coordinate-image check) are reused by
 from __future__ import annotations
 
 import io
+import queue
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -125,6 +127,30 @@ def test_epochs_keep_the_partial_last_batch_and_every_id_once():
     b = out[1][-1]
     assert b.images.shape == (7, 3, 24, 24) and b.images.dtype == torch.float32 and b.targets is None
     assert -3 < float(b.images.mean()) < 3
+
+
+def test_iter_walks_consecutive_epochs_and_get_nowait_never_blocks():
+    samples = jpeg_samples(70)
+    with Loader(MemorySource("ds", samples, latency=0.05), "ds", batch_size=32) as loader:
+        with TorchIterator(loader, TrainTransform(size=16), workers=2) as it:
+            it1, it2 = iter(it), iter(it)
+            assert (it1.epoch, it2.epoch) == (0, 1)
+            first = list(it1)
+            assert list(it1) == []  # exhausted for good
+            check_epochs([first, list(it2)], samples, [32, 32, 6])
+            ep = iter(it)
+            with pytest.raises(queue.Empty):  # the first request is still on its way
+                ep.get_nowait()
+            got = []
+            while True:
+                try:
+                    got.append(ep.get_nowait())
+                except queue.Empty:
+                    time.sleep(0.01)
+                except StopIteration:
+                    break
+            assert sorted(i for b in got for i in b.ids.tolist()) == sorted(s.id for s in samples)
+            assert {b.epoch for b in got} == {2}
 
 
 def test_completion_order_and_drop_last():
