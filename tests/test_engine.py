@@ -340,7 +340,8 @@ _CHILD = textwrap.dedent(
 
 def test_resume_after_a_real_kill_mid_epoch(tmp_path):
     ckpt = str(tmp_path / "ckpt.json")
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    here = os.path.dirname(os.path.abspath(__file__))  # tests/ too: test_engine imports faults
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here])}
     child = subprocess.Popen([sys.executable, "-c", _CHILD, ckpt], stdout=subprocess.PIPE, text=True, env=env)
     for line in child.stdout:
         if line.strip().isdigit() and int(line) >= 1200:
