@@ -10,10 +10,9 @@ from ._imagebatch import ImageBatch
 from ._loader import Loader, LoaderEpoch
 from ._memory import MemorySource
 from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
-from ._plan import EpochPlan, make_plan
 from ._stats import Stats
 from ._torch import TorchIterator
-from ._transforms import EvalTransform, TargetKind, TrainTransform, encode_mask, encode_multilabel
+from ._transforms import EvalTransform, TargetKind, TrainTransform
 
 __all__ = [
     "Loader",
@@ -25,8 +24,6 @@ __all__ = [
     "Retry",
     "Hedge",
     "ErrorPolicy",
-    "EpochPlan",
-    "make_plan",
     "SampleFailed",
     "MemorySource",
     "HttpSource",
@@ -40,6 +37,4 @@ __all__ = [
     "TrainTransform",
     "EvalTransform",
     "TargetKind",
-    "encode_mask",
-    "encode_multilabel",
 ]

@@ -25,11 +25,11 @@ Targets (``TargetKind``), one kind per iterator:
 * ``"none"``: targets are ignored;
 * ``"mask"``: the target blob is a **single-channel 8-bit PNG** (colour type
   0), pixel = class index, the same height and width as its image
-  (:func:`encode_mask` makes one). It is cropped, resized (nearest) and flipped
+  (:func:`dataferry.schema.encode_mask` makes one). It is cropped, resized (nearest) and flipped
   with its image and comes out as ``uint8 [N, size, size]``. Palette PNGs are
   refused: DALI would expand the palette to colours, not indices;
 * ``"multilabel"``: the target blob is a little-endian float32 vector of
-  ``num_classes`` values (:func:`encode_multilabel`), 0/1 or soft; it comes
+  ``num_classes`` values (:func:`dataferry.schema.encode_multilabel`), 0/1 or soft; it comes
   out as ``float32 [N, num_classes]``.
 
 EXIF orientation is ignored on both paths (as Pillow and torchvision do).
@@ -57,8 +57,6 @@ __all__ = [
     "crop_windows",
     "image_size",
     "check_mask",
-    "encode_mask",
-    "encode_multilabel",
     "decode_multilabel",
     "decode_rgb",
     "decode_mask",
@@ -244,27 +242,7 @@ def check_mask(data, hw: tuple[int, int], what: str) -> None:
         raise InvalidImage(what, f"mask is {mw}x{mh}, its image {hw[1]}x{hw[0]}")
 
 
-# --- target encodings ----------------------------------------------------------------------
-def encode_mask(mask: np.ndarray) -> bytes:
-    """A ``uint8 [H, W]`` class-index mask as the PNG blob ``"mask"`` targets expect."""
-    from PIL import Image
-
-    arr = np.asarray(mask)
-    if arr.ndim != 2 or arr.dtype != np.uint8:
-        raise ConfigError(f"a mask is uint8 [H, W], not {arr.dtype} {list(arr.shape)}")
-    buf = io.BytesIO()
-    Image.fromarray(arr, "L").save(buf, "PNG")
-    return buf.getvalue()
-
-
-def encode_multilabel(vector: Sequence[float] | np.ndarray) -> bytes:
-    """A ``num_classes`` vector (0/1 or soft) as the blob ``"multilabel"`` targets expect."""
-    arr = np.asarray(vector, dtype="<f4")
-    if arr.ndim != 1:
-        raise ConfigError(f"a multilabel target is a 1-d vector, not shape {list(arr.shape)}")
-    return arr.tobytes()
-
-
+# --- target decodings (the encodings are ingest's: dataferry.schema.encode_mask/encode_multilabel) ---
 def decode_multilabel(blobs: Sequence[bytes | None], ids: Sequence[int], dataset: str) -> np.ndarray:
     """``float32 [N, num_classes]`` from the blobs of one batch."""
     lengths = set()

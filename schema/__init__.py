@@ -11,49 +11,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = [
-    # errors
-    "DataferryError",
-    "ConfigError",
-    "StoreError",
-    "StoreUnavailable",
-    "StoreTimeout",
-    "NotFound",
-    "DatasetNotFound",
-    "SplitNotFound",
-    "SampleNotFound",
-    "IntegrityError",
-    "InvalidImage",
-    # model
-    "Sample",
-    "SampleMeta",
-    "DatasetInfo",
-    "SplitInfo",
-    "IdList",
-    "sample_id",
-    "check_name",
-    "ALL_SPLIT",
-    # the seam
-    "SampleSource",
-    "Store",
-    "SampleRecord",
-    "FetchResult",
-    # stores
-    "open_store",
-    "parse_store_url",
-    "SqliteOptions",
-    "CassandraOptions",
-    "DEFAULT_STORE_URL",
-    # the data service's token file (read by the server and the client)
-    "read_token_file",
-    # ingest
-    "ingest",
-    "IngestOptions",
-    "IngestReport",
-    "make_splits",
-    "make_synthetic",
-]
-
+#: the public API: module -> the names it defines (imported lazily, PEP 562)
 _WHERE = {
     "_errors": (
         "DataferryError ConfigError StoreError StoreUnavailable StoreTimeout NotFound "
@@ -67,8 +25,10 @@ _WHERE = {
     "_ingest": "ingest IngestOptions IngestReport",
     "_splits": "make_splits",
     "_synthetic": "make_synthetic",
+    "_targets": "encode_mask encode_multilabel",
 }
 _LAZY = {name: mod for mod, names in _WHERE.items() for name in names.split()}
+__all__ = list(_LAZY)  # each public name is written once, in _WHERE
 
 
 def __getattr__(name: str):

@@ -29,8 +29,8 @@ from test_torch_path import (  # noqa: E402
 from dataferry.client import Loader, MemorySource, SampleFailed  # noqa: E402
 from dataferry.client._dali import DaliIterator, DaliOptions, dali_gpu_count  # noqa: E402
 from dataferry.client._torch import TorchIterator  # noqa: E402
-from dataferry.client._transforms import EvalTransform, TrainTransform, encode_multilabel  # noqa: E402
-from dataferry.schema import IdList, Sample  # noqa: E402
+from dataferry.client._transforms import EvalTransform, TrainTransform  # noqa: E402
+from dataferry.schema import IdList, Sample, encode_multilabel  # noqa: E402
 from dataferry.schema._errors import ConfigError, DataferryError  # noqa: E402
 
 CPU = DaliOptions(device="cpu", num_threads=2)

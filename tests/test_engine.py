@@ -25,8 +25,8 @@ from dataferry.client import (
     Prefetch,
     Retry,
     SampleFailed,
-    make_plan,
 )
+from dataferry.client._plan import make_plan
 from dataferry.schema import IdList, Sample
 from dataferry.schema._errors import ConfigError
 from faults import Faults, FaultySource

@@ -13,14 +13,14 @@ PUBLIC = {
         "NotFound", "Sample", "SampleMeta", "SampleNotFound", "SampleRecord", "SampleSource",
         "SplitInfo", "SplitNotFound", "SqliteOptions", "Store", "StoreError", "StoreTimeout",
         "StoreUnavailable", "check_name", "open_store", "parse_store_url", "sample_id",
-        "ingest", "IngestOptions", "IngestReport", "make_splits", "make_synthetic", "read_token_file",
+        "ingest", "IngestOptions", "IngestReport", "make_splits", "make_synthetic", "read_token_file", "encode_mask", "encode_multilabel",
     ],
     "dataferry.client": [
-        "Batch", "EpochPlan", "ErrorPolicy", "Hedge", "Loader", "LoaderEpoch", "MemorySource",
-        "PlanOptions", "Prefetch", "Retry", "SampleFailed", "Stats", "make_plan",
+        "Batch", "ErrorPolicy", "Hedge", "Loader", "LoaderEpoch", "MemorySource",
+        "PlanOptions", "Prefetch", "Retry", "SampleFailed", "Stats",
         "HttpSource", "HttpOptions", "TokenRefused", "RequestRejected",
         "DaliIterator", "DaliOptions", "TorchIterator", "ImageBatch", "TrainTransform", "EvalTransform",
-        "TargetKind", "encode_mask", "encode_multilabel",
+        "TargetKind",
     ],
     "dataferry.server": ["Metrics", "ServerOptions", "make_app"],
 }

@@ -26,11 +26,9 @@ from dataferry.client._transforms import (  # noqa: E402
     TrainTransform,
     crop_windows,
     decode_multilabel,
-    encode_mask,
-    encode_multilabel,
     image_size,
 )
-from dataferry.schema import Sample  # noqa: E402
+from dataferry.schema import Sample, encode_mask, encode_multilabel  # noqa: E402
 from dataferry.schema._errors import ConfigError, DataferryError, InvalidImage  # noqa: E402
 
 # --- sample makers (shared with test_dali.py) -----------------------------------------------
