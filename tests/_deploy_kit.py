@@ -128,10 +128,15 @@ def compose_environment(stack: str, env_file: Path | str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
 
 
+@functools.cache
+def _env_example() -> tuple[tuple[str, str], ...]:
+    base = compose_environment("cassandra", os.devnull)
+    return tuple((k, v) for k, v in compose_environment("cassandra", ENV_EXAMPLE).items() if base.get(k) != v)
+
+
 def env_example() -> dict[str, str]:
     """``.env.example`` as compose reads it: what it sets beyond an empty env file."""
-    base = compose_environment("cassandra", os.devnull)
-    return {k: v for k, v in compose_environment("cassandra", ENV_EXAMPLE).items() if base.get(k) != v}
+    return dict(_env_example())
 
 
 def dataferry_services(model: dict) -> dict[str, dict]:
