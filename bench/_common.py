@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from dataferry.schema._table import format_table
+
 __all__ = ["Measurement", "measure_loader", "prepared_store", "median_of", "table", "cpu_seconds", "announced",
            "data_server", "all_ids"]
 
@@ -85,10 +87,8 @@ def median_of(runs: list[Measurement]) -> Measurement:
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    line = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(header), sep, *map(line, rows)])
+    """A markdown table (the one formatter, shared with the CLI)."""
+    return format_table(header, rows, markdown=True)
 
 
 def all_ids(store_url: str, dataset: str = "bench") -> list[int]:

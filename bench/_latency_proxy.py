@@ -60,9 +60,10 @@ import time
 import weakref
 from dataclasses import dataclass, fields
 
+from dataferry.schema._aio import LoopThread
 from dataferry.schema._errors import ConfigError
 
-__all__ = ["LinkOptions", "ProxyStats", "LatencyProxy", "ProxyThread", "new_event_loop", "format_address"]
+__all__ = ["LinkOptions", "ProxyStats", "LatencyProxy", "ProxyThread", "format_address"]
 
 logger = logging.getLogger(__name__)
 
@@ -562,28 +563,15 @@ class LatencyProxy:
         await self.close()
 
 
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """A uvloop event loop when uvloop is installed, else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
-def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, proxy: LatencyProxy) -> None:
-    if thread is threading.current_thread():
+def _shutdown(lt: LoopThread, proxy: LatencyProxy) -> None:
+    if lt.thread is threading.current_thread():
         raise RuntimeError("ProxyThread.close() called from the proxy's own event loop")
-    if thread.is_alive():
+    if lt.thread.is_alive():
         try:
-            asyncio.run_coroutine_threadsafe(proxy.close(), loop).result(timeout=30)
+            lt.call(proxy.close(), timeout=30)
         except Exception:  # noqa: BLE001 - shutting down regardless
             logger.exception("latency proxy: close failed")
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-    if not loop.is_closed():
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.close()
+    lt.stop(timeout=None)
 
 
 class ProxyThread:
@@ -613,12 +601,10 @@ class ProxyThread:
     def start(self) -> ProxyThread:
         if self._finalizer is not None:
             raise RuntimeError("a ProxyThread starts once")
-        loop = new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="dataferry-latency-proxy", daemon=True)
-        thread.start()
-        self._finalizer = weakref.finalize(self, _shutdown, loop, thread, self._proxy)
+        lt = LoopThread("dataferry-latency-proxy")
+        self._finalizer = weakref.finalize(self, _shutdown, lt, self._proxy)
         try:
-            asyncio.run_coroutine_threadsafe(self._proxy.start(), loop).result(timeout=30)
+            lt.call(self._proxy.start(), timeout=30)
         except BaseException:
             self._finalizer()
             raise

@@ -14,7 +14,9 @@ import signal
 
 from dataferry.schema._errors import ConfigError
 
-from ._latency_proxy import Address, LatencyProxy, LinkOptions, format_address, new_event_loop
+from dataferry.schema._aio import new_event_loop
+
+from ._latency_proxy import Address, LatencyProxy, LinkOptions, format_address
 from ._units import parse_duration, parse_rate
 
 __all__ = ["serve_proxy", "add_cli_arguments", "cli"]

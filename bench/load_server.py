@@ -118,12 +118,9 @@ def cpu_s(pid: int) -> float:
 
 # --- a client process -------------------------------------------------------------------------------------
 def _client(url: str, ids: list[int], start: float, seconds: float, inflight: int, size: int, seed: int, out) -> None:
-    try:
-        import uvloop
+    from dataferry.schema._aio import new_event_loop
 
-        loop = uvloop.new_event_loop()
-    except ImportError:
-        loop = asyncio.new_event_loop()
+    loop = new_event_loop()
     out.put(loop.run_until_complete(_client_main(url, ids, start, seconds, inflight, size, seed)))
     loop.close()
 

@@ -57,6 +57,7 @@ import aiohttp
 from yarl import URL
 
 from dataferry.schema import DatasetInfo, IdList, Sample, SampleNotFound, SplitInfo, read_token_file
+from dataferry.schema._errors import check as _check
 from dataferry.schema._errors import (
     ConfigError,
     DataferryError,
@@ -82,10 +83,6 @@ from ._framing import (
 
 __all__ = ["HttpSource", "HttpOptions", "TokenRefused", "RequestRejected"]
 
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
 
 
 @dataclass(frozen=True, slots=True)

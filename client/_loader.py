@@ -23,13 +23,13 @@ import asyncio
 import logging
 import math
 import queue
-import threading
 import time
 import weakref
 from collections.abc import Iterator
 from typing import Literal
 
 from dataferry.schema import ALL_SPLIT, IdList, SampleSource
+from dataferry.schema._aio import LoopThread
 from dataferry.schema._errors import ConfigError, DataferryError
 
 from ._engine import Batch, EndOfEpoch, Link, Run, describe_source, retrying
@@ -52,38 +52,6 @@ class _Failed:
         self.exc = exc
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
-class _LoopThread:
-    """One event loop in one daemon thread."""
-
-    def __init__(self) -> None:
-        self.loop = _new_loop()
-        self.thread = threading.Thread(target=self._main, name="dataferry-engine", daemon=True)
-        self.thread.start()
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-        self.loop.close()
-
-    def call(self, coro, timeout: float | None = None):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        if threading.current_thread() is not self.thread:
-            self.thread.join(10)
-
-
 async def _open_source(source) -> tuple[SampleSource, bool]:
     if not isinstance(source, str):
         if hasattr(source, "fetch"):
@@ -103,7 +71,7 @@ async def _close_source(source, owned: bool) -> None:
         await source.close()
 
 
-def _shutdown(lt: _LoopThread, state: dict) -> None:
+def _shutdown(lt: LoopThread, state: dict) -> None:
     run_task = state.get("task")
     if run_task is not None:
         lt.loop.call_soon_threadsafe(run_task.cancel)
@@ -171,7 +139,7 @@ class Loader:
         self._delivered: Progress | None = None
         self._run: Run | None = None
         self._closed = False
-        self._lt = _LoopThread()
+        self._lt = LoopThread("dataferry-engine")
         self._state: dict = {}
         self._finalizer = weakref.finalize(self, _shutdown, self._lt, self._state)
         try:

@@ -5,14 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from dataferry.schema._errors import ConfigError
+from dataferry.schema._errors import check as _check
 
 __all__ = ["PlanOptions", "Prefetch", "Retry", "Hedge", "ErrorPolicy"]
 
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,7 @@ from typing import Literal, get_args
 
 import numpy as np
 
-from dataferry.schema._errors import ConfigError, InvalidImage
+from dataferry.schema._errors import InvalidImage, check as _check
 
 __all__ = [
     "TargetKind",
@@ -72,10 +72,6 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 _TRIES = 10  # torchvision's RandomResizedCrop attempts
 
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
 
 
 def _check_norm(mean: Sequence[float], std: Sequence[float]) -> None:

@@ -225,11 +225,9 @@ def _run_ls(args: argparse.Namespace) -> int:
 
 
 def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
-    cells = [header, *[tuple(str(c) for c in r) for r in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    numeric = [all(str(r[i]).replace("%", "").replace(".", "").isdigit() for r in rows) for i in range(len(header))]
-    fmt = [(str.rjust if num else str.ljust) for num in numeric]
-    return "\n".join("  ".join(f(c, w) for f, c, w in zip(fmt, r, widths)).rstrip() for r in cells)
+    from ._table import format_table
+
+    return format_table(header, rows)
 
 
 # --- schema -----------------------------------------------------------------------

@@ -24,6 +24,7 @@ store URL or address.
 from __future__ import annotations
 
 __all__ = [
+    "check",
     "DataferryError",
     "ConfigError",
     "StoreError",
@@ -132,3 +133,10 @@ class InvalidImage(DataferryError):
 
     def __reduce__(self):
         return (InvalidImage, (self.path, self.reason))
+
+
+def check(cond: bool, msg: str) -> None:
+    """Raise :class:`ConfigError` with ``msg`` unless ``cond``: the one
+    validation helper of every frozen option object."""
+    if not cond:
+        raise ConfigError(msg)
