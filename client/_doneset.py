@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["Progress"]
+__all__ = ["DoneSet"]
 
 
-class Progress:
+class DoneSet:
     __slots__ = ("n", "frontier", "_beyond")
 
     def __init__(self, n: int, frontier: int = 0, beyond: Iterable[int] = ()) -> None:
@@ -56,5 +56,5 @@ class Progress:
     def beyond(self) -> list[int]:
         return sorted(self._beyond)
 
-    def copy(self) -> Progress:
-        return Progress(self.n, self.frontier, self._beyond)
+    def copy(self) -> DoneSet:
+        return DoneSet(self.n, self.frontier, self._beyond)

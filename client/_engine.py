@@ -13,7 +13,7 @@ Data flow (everything runs on one event loop)::
   completed request, halves on a failed one; it is capped by
   ``Prefetch.max_inflight`` and by the byte budget (bytes reserved for
   requests in flight + bytes ready and not yet taken by the consumer).
-* Exactly once: a position is completed at most once (:class:`Progress`);
+* Exactly once: a position is completed at most once (:class:`DoneSet`);
   late duplicates from hedges or retries are dropped and counted.
 * Epochs run back to back: once the current epoch has nothing new to send,
   the next epoch's positions go out (retries of the current one still come
@@ -57,7 +57,7 @@ from dataferry.schema._url import redact_url
 
 from ._options import ErrorPolicy, Hedge, Prefetch, Retry
 from ._plan import EpochPlan
-from ._progress import Progress
+from ._doneset import DoneSet
 from ._stats import Counters
 
 __all__ = ["Batch", "EndOfEpoch", "Run", "Link", "SampleFailed", "RETRYABLE", "describe_source", "retrying"]
@@ -205,11 +205,11 @@ class _Epoch:
     handed-over batch (the batch being filled, and in-order samples held back).
     """
 
-    def __init__(self, plan: EpochPlan, done: Progress | None, *, batch_size: int, in_order: bool) -> None:
+    def __init__(self, plan: EpochPlan, done: DoneSet | None, *, batch_size: int, in_order: bool) -> None:
         self.plan = plan
         self.n = len(plan)
         self.batch_size, self.in_order = batch_size, in_order
-        self.completed = done.copy() if done is not None else Progress(self.n)
+        self.completed = done.copy() if done is not None else DoneSet(self.n)
         self.cursor = 0
         self.cover: dict[int, int] = {}  # position -> requests covering it
         self.attempts: dict[int, int] = {}
@@ -319,7 +319,7 @@ class Run:
         errors: ErrorPolicy,
         counters: Counters,
         emit: Callable[[object], None],
-        done: Progress | None = None,
+        done: DoneSet | None = None,
         link: Link | None = None,
         next_plan: Callable[[int], EpochPlan] | None = None,
     ) -> None:
@@ -407,7 +407,7 @@ class Run:
             self.current, self.ahead = self.ahead, None
             self._hand_over(self.current)
 
-    def _epoch(self, plan: EpochPlan, done: Progress | None = None) -> _Epoch:
+    def _epoch(self, plan: EpochPlan, done: DoneSet | None = None) -> _Epoch:
         return _Epoch(plan, done, batch_size=self.batch_size, in_order=self.in_order)
 
     def _hand_over(self, ep: _Epoch) -> None:

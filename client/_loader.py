@@ -35,7 +35,7 @@ from dataferry.schema._errors import ConfigError, DataferryError
 from ._engine import Batch, EndOfEpoch, Link, Run, describe_source, retrying
 from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
 from ._plan import EpochPlan, make_plan, split_digest
-from ._progress import Progress
+from ._doneset import DoneSet
 from ._stats import Counters, Stats, Taken, snapshot
 
 __all__ = ["Loader", "LoaderEpoch"]
@@ -136,7 +136,7 @@ class Loader:
         self._queue: queue.Queue = queue.Queue()
         self._gen = 0  # generation of the running epoch; stale queue items are dropped
         self._plan: EpochPlan | None = None
-        self._delivered: Progress | None = None
+        self._delivered: DoneSet | None = None
         self._run: Run | None = None
         self._closed = False
         self._lt = LoopThread("dataferry-engine")
@@ -217,7 +217,7 @@ class Loader:
         self._stop_run()
         plan = self._plan_for(self.epoch)
         if self._delivered is None or self._delivered.n != len(plan):
-            self._delivered = Progress(len(plan))
+            self._delivered = DoneSet(len(plan))
         gen = self._gen
         q = self._queue
 
@@ -313,7 +313,7 @@ class Loader:
                 delivered.add(p)
             t.skipped += len(item.skipped)
             self._epoch += 1
-            self._delivered = Progress(len(self._plan_for(self._epoch)))
+            self._delivered = DoneSet(len(self._plan_for(self._epoch)))
             self._lt.loop.call_soon_threadsafe(run.consumer_at, self._epoch)
             raise StopIteration
         self._stop_run()
@@ -323,7 +323,7 @@ class Loader:
     def state_dict(self) -> dict:
         """What was delivered so far: enough to resume exactly (JSON-safe)."""
         plan = self._plan_for(self.epoch)
-        done = self._delivered or Progress(len(plan))
+        done = self._delivered or DoneSet(len(plan))
         return {
             "version": _STATE_VERSION,
             "dataset": self.dataset,
@@ -355,7 +355,7 @@ class Loader:
                 raise ConfigError(f"loader state does not match this loader: {key} is {state.get(key)!r}, not {mine!r}")
         self._epoch = self._claimed = epoch
         self._plan = plan
-        self._delivered = Progress(len(plan), int(state["frontier"]), state["beyond"])
+        self._delivered = DoneSet(len(plan), int(state["frontier"]), state["beyond"])
 
     # --- stats and lifetime --------------------------------------------------------------
     def stats(self) -> Stats:
