@@ -2,7 +2,10 @@
 
 Never subclassed: state lives under typed ``web.AppKey`` s (``_keys.py``), the
 store's lifetime in ``app.cleanup_ctx``, behaviour in middlewares and routes.
-Run it with ``web.run_app`` (the CLI) or an ``AppRunner`` (tests).
+Run it with :class:`~._protocol.Runner` (the CLI does), a ``web.AppRunner``
+whose connections also answer malformed HTTP with the JSON error body; any
+runner gets the app's access and connection loggers (``handler_args``), which
+keep query strings and raw request bytes out of the log.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from ._keys import GATE, LIMIT, METRICS, OPTIONS
 from ._metrics import Metrics
 from ._middleware import MIDDLEWARES
 from ._options import ServerOptions
+from ._protocol import handler_args
 from ._routes import routes
 
 __all__ = ["make_app"]
@@ -31,7 +35,7 @@ log = logging.getLogger("dataferry.server")
 def make_app(store: Store | str, options: ServerOptions = ServerOptions()) -> web.Application:
     """The application serving ``store``: a store URL (opened at startup and
     closed at cleanup) or an open :class:`Store` (left open: the caller owns it)."""
-    app = web.Application(client_max_size=options.max_body_bytes, middlewares=MIDDLEWARES)
+    app = web.Application(client_max_size=options.max_body_bytes, middlewares=MIDDLEWARES, handler_args=handler_args(options))
     app[OPTIONS] = options
     app[METRICS] = Metrics()
     app.cleanup_ctx.append(_store_context(store))

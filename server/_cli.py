@@ -6,9 +6,10 @@ it and returns the exit status. Heavy imports (aiohttp, the stores) happen in
 
 The listening socket is bound here, before the app starts, so ``--port 0``
 works: the line ``dataferry serve: listening on http(s)://HOST:PORT`` on
-stdout names the real port. ``web.run_app`` handles SIGTERM and SIGINT: it
-stops accepting, gives in-flight responses ``--grace`` seconds, then closes
-the store.
+stdout names the real port. The app runs under :class:`~._protocol.Runner`
+(JSON answers to malformed HTTP too) on uvloop; on SIGTERM or SIGINT the
+server stops accepting, gives in-flight responses ``--grace`` seconds, then
+closes the store.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import argparse
 import logging
 import socket
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["add_cli_arguments", "cli", "main"]
 
@@ -34,6 +39,10 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-ids", type=int, default=4096, help="ids per batch request (default: %(default)s)")
     parser.add_argument("--max-concurrent", type=int, default=256, help="requests served at once (default: %(default)s)")
     parser.add_argument("--store-timeout", type=float, default=30.0, metavar="S", help="seconds per store call (default: %(default)s)")
+    parser.add_argument("--body-timeout", type=float, default=10.0, metavar="S",
+                        help="seconds for a request body to arrive whole, else 408 and the connection is closed (default: %(default)s)")
+    parser.add_argument("--hold-timeout", type=float, default=300.0, metavar="S",
+                        help="seconds a request may hold one of --max-concurrent slots, response included (default: %(default)s)")
     parser.add_argument("--grace", type=float, default=10.0, metavar="S", help="seconds in-flight responses get on SIGTERM (default: %(default)s)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     parser.add_argument("--no-access-log", action="store_true", help="do not log each request")
@@ -85,7 +94,7 @@ def cli(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
+    import asyncio
 
     from dataferry.schema import parse_store_url, read_token_file
     from dataferry.schema._errors import ConfigError
@@ -104,6 +113,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=max(1 << 20, 8 * args.max_ids),
         max_concurrent=args.max_concurrent,
         store_timeout=args.store_timeout,
+        body_timeout=args.body_timeout,
+        hold_timeout=args.hold_timeout,
         shutdown_grace=args.grace,
     )
     sock = bind(args.host, args.port)
@@ -111,19 +122,41 @@ def _serve(args: argparse.Namespace) -> int:
     scheme = "https" if tls else "http"
     shown = f"[{host}]" if ":" in host else host
     print(f"dataferry serve: listening on {scheme}://{shown}:{port}", flush=True)
-    web.run_app(
-        make_app(args.store, options),
-        sock=sock,
-        ssl_context=tls,
-        shutdown_timeout=options.shutdown_grace,
-        print=None,
-        access_log=None if args.no_access_log else logging.getLogger("aiohttp.access"),
-        loop=_new_loop(),
-    )
+    app = make_app(args.store, options)
+    access_log = None if args.no_access_log else logging.getLogger("aiohttp.access")
+    loop = _new_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(_run(app, sock, tls, access_log, options.shutdown_grace))
+    finally:
+        _close_loop(loop)
     return 0
 
 
-def _new_loop():
+async def _run(app, sock: socket.socket, tls, access_log: logging.Logger | None, grace: float) -> None:
+    """Serve ``app`` on ``sock`` until SIGTERM or SIGINT; then stop accepting,
+    give in-flight responses ``grace`` seconds, and run the app's cleanup."""
+    import asyncio
+    import signal
+
+    from aiohttp import web
+
+    from ._protocol import Runner
+
+    runner = Runner(app, access_log=access_log, shutdown_timeout=grace)
+    await runner.setup()
+    try:
+        await web.SockSite(runner, sock, ssl_context=tls, backlog=1024).start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
     import asyncio
 
     try:
@@ -131,6 +164,20 @@ def _new_loop():
     except ImportError:
         return asyncio.new_event_loop()
     return uvloop.new_event_loop()
+
+
+def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    import asyncio
+
+    try:
+        tasks = asyncio.all_tasks(loop)
+        for task in tasks:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,10 @@
   ``Authorization: Bearer <token>``, compared in constant time. Unknown paths
   too: an unauthenticated caller learns nothing about routes.
 * ``limit``: at most ``max_concurrent`` ``/v1/...`` requests at once; the
-  rest wait up to ``queue_timeout`` then get 503 with ``Retry-After``.
+  rest wait up to ``queue_timeout`` then get 503 with ``Retry-After``. A
+  request's body is read (within ``body_timeout``) before it takes a slot, so
+  a client that stalls mid-upload never holds one; a request holds its slot
+  at most ``hold_timeout`` seconds, its response included.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataferry.schema._errors import StoreError
 
 from ._errors import http_error, translate
 from ._keys import LIMIT, METRICS, OPTIONS
+from ._validate import read_body
 
 __all__ = ["MIDDLEWARES"]
 
@@ -95,7 +99,9 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
                             else "send exactly one Authorization header")
     scheme, _, credentials = values[0].strip().partition(" ")
     if scheme.lower() != "bearer" or not credentials.strip():
-        raise _unauthorized("missing_token", f"use the Bearer scheme: Authorization: Bearer <token>, not {scheme[:20]!r}")
+        # the header is not quoted back: without a scheme, its first word is the token
+        raise _unauthorized("missing_token", "the Authorization header does not hold a bearer token; "
+                                             "send Authorization: Bearer <token>")
     given = credentials.strip().encode("utf-8", "surrogateescape")
     # every token is compared (no early exit), each in constant time
     if sum(hmac.compare_digest(given, t.encode()) for t in tokens) == 0:
@@ -114,6 +120,8 @@ async def limit_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     sem = request.app[LIMIT]
     options = request.app[OPTIONS]
+    if request.body_exists:
+        await read_body(request, options)  # before the slot: a stalled upload holds none
     try:
         async with asyncio.timeout(options.queue_timeout):
             await sem.acquire()
@@ -122,10 +130,27 @@ async def limit_middleware(request: web.Request, handler: Handler) -> web.Stream
             503, "busy", f"more than {options.max_concurrent} requests in progress; retry shortly",
             headers={"Retry-After": "1"},
         ) from None
+    hold = asyncio.timeout(options.hold_timeout)
     try:
-        return await handler(request)
+        async with hold:
+            return await handler(request)
+    except TimeoutError:
+        if not hold.expired():
+            raise  # a store timeout, for the errors middleware
+        return _held_too_long(request, options.hold_timeout)
     finally:
         sem.release()
+
+
+def _held_too_long(request: web.Request, limit: float) -> web.StreamResponse:
+    started = request.writer.output_size > 0
+    request.app[METRICS].errors.inc(error="hold_timeout")
+    log.warning("%s %s from %s: ended after holding its slot for %g s (hold_timeout)%s", request.method,
+                request.rel_url.raw_path[:200], request.remote, limit, "; connection dropped mid-response" * started)
+    if started and request.transport is not None:
+        request.transport.abort()  # the client sees a cut stream (no END record) and retries
+    return translate(http_error(503, "hold_timeout", f"the request did not finish within {limit:g} s; retry it",
+                                headers={"Retry-After": "1"}))
 
 
 MIDDLEWARES = (metrics_middleware, errors_middleware, auth_middleware, limit_middleware)

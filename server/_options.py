@@ -24,6 +24,13 @@ class ServerOptions:
     ``store_timeout`` bounds each catalog call and, during a batch fetch, the
     wait for the store's next sample. ``send_timeout`` bounds one write to a
     client that stopped reading; the connection is then dropped.
+
+    A request's body must arrive whole within ``body_timeout`` seconds, and it
+    is read before the request takes a slot: a client that stalls mid-upload
+    gets 408 and its connection is closed, and never holds a slot. A request
+    holds its slot (queue wait excluded, the whole response included) for at
+    most ``hold_timeout`` seconds; then it is ended: 503 ``hold_timeout`` if
+    nothing was sent yet, else its connection is dropped mid-stream.
     """
 
     #: bearer token required on /v1/... (and /metrics when metrics_auth); None: no
@@ -39,6 +46,10 @@ class ServerOptions:
     #: /v1/... requests being served at once
     max_concurrent: int = 256
     queue_timeout: float = 2.0
+    #: seconds for a request's whole body to arrive (before it takes a slot)
+    body_timeout: float = 10.0
+    #: seconds a /v1/... request may hold its slot, the whole response included
+    hold_timeout: float = 300.0
     store_timeout: float = 30.0
     #: the catalog call behind /readyz
     ready_timeout: float = 2.0
@@ -72,7 +83,8 @@ class ServerOptions:
         _check(self.max_ids >= 1, f"max_ids must be >= 1, not {self.max_ids}")
         _check(self.max_body_bytes >= 8 * self.max_ids, "max_body_bytes must hold max_ids binary ids (8 bytes each)")
         _check(self.max_concurrent >= 1, f"max_concurrent must be >= 1, not {self.max_concurrent}")
-        for name in ("queue_timeout", "store_timeout", "ready_timeout", "send_timeout", "shutdown_grace"):
+        for name in ("queue_timeout", "body_timeout", "hold_timeout", "store_timeout", "ready_timeout", "send_timeout",
+                     "shutdown_grace"):
             _check(getattr(self, name) > 0, f"{name} must be > 0")
         _check(self.catalog_ttl >= 0, "catalog_ttl must be >= 0")
         _check(self.write_chunk >= 1 << 12, "write_chunk must be at least 4 KiB")
