@@ -27,8 +27,10 @@ _CONSISTENCIES = ("ONE", "TWO", "THREE", "QUORUM", "ALL", "LOCAL_QUORUM", "EACH_
 @dataclass(frozen=True, slots=True)
 class SqliteOptions:
     path: str
-    #: reader threads, each with its own connection (WAL allows them all at once)
-    readers: int = 4
+    #: reader threads, each with its own connection (WAL allows them all at once);
+    #: more overlap disk reads of data not in the OS page cache, but each keeps
+    #: its own malloc arena of freed sample bytes (see ``_sqlite``'s docstring)
+    readers: int = 1
     #: ids read per SELECT ... IN (...)
     ids_per_query: int = 64
     #: seconds a writer waits on a lock held by another process
