@@ -92,7 +92,12 @@ class ProtocolLog(logging.LoggerAdapter):
         super().__init__(logger or logging.getLogger("aiohttp.server"), {})
 
     def log(self, level: int, msg: object, *args: object, exc_info: Any = None, **kwargs: Any) -> None:
-        exc = exc_info if isinstance(exc_info, BaseException) else (sys.exc_info()[1] if exc_info else None)
+        if isinstance(exc_info, tuple):
+            exc = exc_info[1]
+        elif isinstance(exc_info, BaseException):
+            exc = exc_info
+        else:
+            exc = sys.exc_info()[1] if exc_info else None
         if not client_fault(exc):
             super().log(level, msg, *args, exc_info=exc_info, **kwargs)
             return
@@ -100,7 +105,7 @@ class ProtocolLog(logging.LoggerAdapter):
             what = "the client closed the connection"
         else:
             what = describe(exc)[1]
-        self.logger.log(min(level, logging.INFO), "%s: %s", str(msg) % args if args else msg, what)
+        self.logger.log(min(level, logging.INFO), f"{msg}: %s", *args, what)
 
 
 class AccessLogger(AbstractAccessLogger):
