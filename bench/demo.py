@@ -8,6 +8,12 @@
    that every sample arrives exactly once per epoch and matches its checksum;
 5. run a naive loader (one request per sample, one at a time) on the same
    link for a few seconds, and print both rates side by side.
+
+The headline is what a user sees: total samples over total wall time, from
+creating the Loader (connections, the split's id list) to the last batch, for
+ours and for the baseline alike. Per-epoch rows follow, marked as partly
+prefetched: the engine fetches the next epoch while the current one ends, so
+an epoch's own rate flatters it.
 """
 
 from __future__ import annotations
@@ -47,12 +53,13 @@ async def _checksums(store_url: str, dataset: str) -> dict[int, str]:
 
 
 async def _naive(url: str, dataset: str, ids: list[int], seconds: float) -> tuple[int, int, float]:
-    """One request per sample, one at a time, on the same link."""
-    from dataferry.client._http import HttpSource
+    """One request per sample, one at a time, on the same link; timed from
+    opening the client to the last sample, as ours is."""
+    from dataferry.client import HttpSource
 
     n = nbytes = 0
+    t0 = time.perf_counter()
     async with await HttpSource.open(url) as source:
-        t0 = time.perf_counter()
         for i in ids:
             async for sample in source.fetch(dataset, [i]):
                 nbytes += len(sample.data)
@@ -94,6 +101,8 @@ def run_stream_demo(opts: StreamDemoOptions = StreamDemoOptions()) -> str:
             link = f"http://{proxy.address[0]}:{proxy.address[1]}"
             lines.append(f"server http://{host}:{port}, client through a latency proxy at {opts.rtt_ms:.0f} ms RTT ({link})")
             rows = []
+            total = total_bytes = 0
+            t_start = time.perf_counter()
             with Loader(link, opts.dataset, batch_size=opts.batch_size) as loader:
                 for epoch in range(opts.epochs):
                     t0 = time.perf_counter()
@@ -105,18 +114,26 @@ def run_stream_demo(opts: StreamDemoOptions = StreamDemoOptions()) -> str:
                                 raise RuntimeError(f"sample {i} does not match its checksum")
                             seen[i] += 1
                         nbytes += batch.nbytes
-                    dt = time.perf_counter() - t0
+                    t_end = time.perf_counter()
+                    dt = t_end - t0
                     if set(seen) != set(checksums) or max(seen.values()) != 1:
                         raise RuntimeError(f"epoch {epoch} did not deliver every sample exactly once")
-                    rows.append(["dataferry", str(epoch), f"{len(seen):,}", f"{len(seen) / dt:,.0f}",
-                                 f"{nbytes / dt / 1e6:,.1f}", f"{dt:.2f}"])
+                    total += sum(seen.values())
+                    total_bytes += nbytes
+                    rows.append([f"dataferry, epoch {epoch} (partly prefetched)", f"{len(seen):,}",
+                                 f"{len(seen) / dt:,.0f}", f"{nbytes / dt / 1e6:,.1f}", f"{dt:.2f}"])
                 stats = loader.stats()
+            ours_s = t_end - t_start
             n, nb, dt = asyncio.run(_naive(link, opts.dataset, list(checksums), opts.naive_seconds))
-            rows.append(["naive (1 request/sample)", "-", f"{n:,}", f"{n / dt:,.1f}", f"{nb / dt / 1e6:,.2f}", f"{dt:.2f}"])
-    lines.append(table(["loader", "epoch", "samples", "samples/s", "MB/s", "seconds"], rows))
-    best = max(float(r[3].replace(",", "")) for r in rows[:-1])
-    lines.append(f"every epoch delivered each sample exactly once, checksums verified; "
-                 f"dataferry is {best / max(n / dt, 1e-9):,.0f}x the naive loader on this link")
-    lines.append(f"client: window {stats.window}, rtt {stats.rtt * 1e3 if stats.rtt else 0:.0f} ms, "
-                 f"stall {stats.stall_fraction:.0%}, peak {stats.peak_bytes / 2**20:.0f} MiB, retries {stats.retries}")
+    ours, naive = total / ours_s, n / dt
+    head = [["dataferry (completion order, adaptive window)", f"{total:,}", f"{ours:,.0f}",
+             f"{total_bytes / ours_s / 1e6:,.1f}", f"{ours_s:.2f}"],
+            ["naive (1 request in flight, 1 sample each)", f"{n:,}", f"{naive:,.1f}", f"{nb / dt / 1e6:,.2f}", f"{dt:.2f}"]]
+    lines.append("total samples over total wall time, from creating the loader to the last batch:")
+    lines.append(table(["loader", "samples", "samples/s", "MB/s", "seconds"], head + rows))
+    lines.append(f"headline: dataferry {ours:,.0f} samples/s against {naive:,.1f} samples/s naive on this link "
+                 f"({ours / max(naive, 1e-9):,.0f}x); every epoch delivered each sample exactly once, checksums verified")
+    lines.append(f"client: window {stats.window}, request latency {(stats.request_latency or 0) * 1e3:.0f} ms "
+                 f"(min {(stats.min_latency or 0) * 1e3:.0f} ms), waited {stats.wait_fraction:.0%} of the time, "
+                 f"peak {stats.peak_bytes / 2**20:.0f} MiB, retries {stats.retries}")
     return "\n".join(lines)

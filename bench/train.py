@@ -155,7 +155,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
                 if t_start is None:  # the first step pays for start-up: time from its end
                     if device.startswith("cuda"):
                         torch.cuda.synchronize()
-                    t_start, stall0 = time.perf_counter(), loader.stats().stall
+                    t_start, stall0 = time.perf_counter(), loader.stats().wait
                     losses.append(loss.item())
                     continue
                 wait += t1 - t0
@@ -168,7 +168,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t_start if t_start is not None else 0.0
-        loader_stall = (loader.stats().stall - (stall0 or 0.0)) / seconds if seconds > 0 else 0.0
+        loader_stall = (loader.stats().wait - (stall0 or 0.0)) / seconds if seconds > 0 else 0.0
     losses.append(loss.item())
     return TrainResult(step, images, seconds, wait, loader_stall, losses[0], losses[-1], epochs, device, kind)
 

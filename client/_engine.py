@@ -584,7 +584,7 @@ class Run:
                     self._fail(ep, p, result)
             return
         nbytes = len(result.data)
-        self.c.bytes += nbytes
+        self.c.received += nbytes
         self.link.mean_bytes += (nbytes - self.link.mean_bytes) * 0.05
         first = True
         if ep.first_fail:
@@ -625,7 +625,11 @@ class Run:
         elif exc is None and not missing:
             full = not req.hedge and sum(map(len, req.positions.values())) >= self.request_size
             self.link.answered(now - req.start, full)
-            self.c.rtt = now - req.start if self.c.rtt is None else self.c.rtt * 0.875 + (now - req.start) * 0.125
+            lat = now - req.start
+            c = self.c
+            c.request_latency = lat if c.request_latency is None else c.request_latency * 0.875 + lat * 0.125
+            if self.link.latencies:
+                c.min_latency = min(self.link.latencies)
             if full and len(self.link.latencies) >= 8 and len(self.link.latencies) % 8 == 0 and self.hedge.enabled:
                 p95 = float(np.percentile(np.fromiter(self.link.latencies, float), 95))
                 self.link.hedge_after = max(self.hedge.min_delay, self.hedge.factor * p95)

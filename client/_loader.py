@@ -151,12 +151,17 @@ class Loader:
         if log_interval is not None:
             self._lt.loop.call_soon_threadsafe(self._log_stats, log_interval)
 
-    def _log_stats(self, interval: float) -> None:
-        """On the loop: log a stats line to ``dataferry.client`` every ``interval`` s."""
+    def _log_stats(self, interval: float, last: Stats | None = None) -> None:
+        """On the loop: log the last interval's figures to ``dataferry.client``
+        every ``interval`` s, once the consumer has asked for data."""
         if self._closed:
             return
-        log.info("%s: %s", self.dataset, self.stats())
-        self._lt.loop.call_later(interval, self._log_stats, interval)
+        now = self.stats()
+        if self._taken.first is not None:
+            log.info("%s: %s", self.dataset, now if last is None else now.since(last))
+        else:
+            now = None
+        self._lt.loop.call_later(interval, self._log_stats, interval, now)
 
     # --- options (read-only: a new option means a new Loader) ----------------------------
     dataset = property(lambda self: self._dataset, doc="the dataset's name")
@@ -278,6 +283,9 @@ class Loader:
         if self._run is None:
             self._start_run()
         q = self._queue
+        t = self._taken
+        if t.first is None:
+            t.first = time.monotonic()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
@@ -291,7 +299,7 @@ class Loader:
                 except queue.Empty:
                     raise TimeoutError(f"no batch of {self.dataset!r} within {timeout} s") from None
                 finally:
-                    self._taken.stall += time.monotonic() - t0
+                    t.wait += time.monotonic() - t0
             if gen == self._gen:
                 return self._accept(item)
 
@@ -305,6 +313,7 @@ class Loader:
                 delivered.add(p)
             t.samples += len(item)
             t.batches += 1
+            t.bytes += item.nbytes
             t.skipped += len(item.skipped)
             return item
         if isinstance(item, EndOfEpoch):

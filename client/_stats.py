@@ -12,12 +12,12 @@ class Counters:
     """The engine's counters: written only on the engine's event loop, read anywhere."""
 
     def __init__(self) -> None:
-        self.started = time.monotonic()
-        self.bytes = 0
+        self.received = 0  # bytes of sample data received
         self.requests = 0
         self.inflight = 0
         self.window = 0
-        self.rtt: float | None = None
+        self.request_latency: float | None = None  # smoothed
+        self.min_latency: float | None = None  # over recent full-size requests: the RTT estimate
         self.retries = 0
         self.failures = 0
         self.hedges = 0
@@ -26,77 +26,114 @@ class Counters:
 
 
 class Taken:
-    """The consumer's counters: written only by the thread that takes batches."""
+    """The consumer's counters: written only by the thread that takes batches.
+    The clock starts at the first ``get()``, as SPDL's queue stats do."""
 
     def __init__(self) -> None:
+        self.first: float | None = None  # time.monotonic() of the first get()
         self.samples = 0
         self.batches = 0
+        self.bytes = 0
         self.skipped = 0
-        self.stall = 0.0  # seconds the consumer waited for a batch
+        self.wait = 0.0  # seconds the consumer waited for a batch
 
 
 def snapshot(c: Counters, taken: Taken, ready_bytes: int) -> Stats:
     """Both sides' counters as one frozen :class:`Stats`."""
-    elapsed = max(time.monotonic() - c.started, 1e-9)
+    elapsed = 0.0 if taken.first is None else time.monotonic() - taken.first
     return Stats(
         elapsed=elapsed,
         samples=taken.samples,
         batches=taken.batches,
-        bytes=c.bytes,
-        samples_per_s=taken.samples / elapsed,
-        bytes_per_s=c.bytes / elapsed,
+        bytes=taken.bytes,
+        wait=taken.wait,
+        skipped=taken.skipped,
+        received=c.received,
         requests=c.requests,
         inflight=c.inflight,
         window=c.window,
-        rtt=c.rtt,
+        request_latency=c.request_latency,
+        min_latency=c.min_latency,
         retries=c.retries,
         failures=c.failures,
         hedges=c.hedges,
         duplicates=c.duplicates,
-        skipped=taken.skipped,
         ready_bytes=ready_bytes,
         peak_bytes=c.peak_bytes,
-        stall=taken.stall,
-        stall_fraction=min(1.0, taken.stall / elapsed),
     )
 
 
 @dataclass(frozen=True, slots=True)
 class Stats:
-    """A snapshot of a loader's counters since it was created."""
+    """A loader's figures, counted from the consumer's first ``get()``.
+
+    Rates are what the training loop saw: samples and bytes handed to it over
+    the time since its first request for data. ``wait`` is the time it spent
+    blocked in ``get()``. ``request_latency`` is the smoothed time a request
+    takes (it grows with the window and with queueing at the server);
+    ``min_latency``, the lowest recent one, estimates the link's round trip.
+    ``b.since(a)`` gives the figures of the interval between two snapshots.
+    """
 
     elapsed: float
     samples: int
     batches: int
+    #: bytes of sample data handed to the consumer
     bytes: int
-    samples_per_s: float
-    bytes_per_s: float
+    #: seconds the consumer waited in get()
+    wait: float
+    skipped: int
+    #: bytes of sample data received (taken or not; duplicates not counted)
+    received: int
     requests: int
     inflight: int
     window: int
-    #: smoothed request latency (seconds), None before the first answer
-    rtt: float | None
+    request_latency: float | None
+    min_latency: float | None
     retries: int
     failures: int
     hedges: int
     duplicates: int
-    skipped: int
     #: bytes received and not yet taken by the consumer
     ready_bytes: int
     #: high-water mark of bytes in flight (reserved) plus ready
     peak_bytes: int
-    #: seconds the consumer waited for data, and that as a fraction of elapsed
-    stall: float
-    stall_fraction: float
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.elapsed if self.elapsed > 0 else 0.0
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bytes / self.elapsed if self.elapsed > 0 else 0.0
+
+    @property
+    def wait_fraction(self) -> float:
+        """The share of the time the consumer waited for data."""
+        return min(1.0, self.wait / self.elapsed) if self.elapsed > 0 else 0.0
+
+    def since(self, earlier: Stats) -> Stats:
+        """The figures of the interval from ``earlier`` to this snapshot
+        (counts and times as differences; gauges as of now)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("elapsed", "samples", "batches", "bytes", "wait", "skipped", "received", "requests",
+                     "retries", "failures", "hedges", "duplicates"):
+            d[name] = getattr(self, name) - getattr(earlier, name)
+        return Stats(**d)
 
     def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d.update(samples_per_s=self.samples_per_s, bytes_per_s=self.bytes_per_s, wait_fraction=self.wait_fraction)
+        return d
 
     def __str__(self) -> str:
-        rtt = "-" if self.rtt is None else f"{self.rtt * 1e3:.1f}ms"
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v * 1e3:.0f}ms"
+
         return (
-            f"{self.samples} samples {self.samples_per_s:,.0f}/s {self.bytes_per_s / 1e6:,.1f} MB/s | "
-            f"window {self.window} inflight {self.inflight} rtt {rtt} | stall {self.stall_fraction:.1%} | "
-            f"retries {self.retries} failures {self.failures} hedges {self.hedges} skipped {self.skipped} | "
-            f"peak {self.peak_bytes / 2**20:,.1f} MiB"
+            f"{self.samples} samples in {self.elapsed:.1f}s: {self.samples_per_s:,.0f}/s "
+            f"{self.bytes_per_s / 1e6:,.1f} MB/s, waited {self.wait_fraction:.0%} | "
+            f"window {self.window} inflight {self.inflight} latency {ms(self.request_latency)} "
+            f"(min {ms(self.min_latency)}) | retries {self.retries} failures {self.failures} "
+            f"hedges {self.hedges} skipped {self.skipped} | peak {self.peak_bytes / 2**20:,.1f} MiB"
         )

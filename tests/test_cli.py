@@ -146,7 +146,13 @@ def test_demo_streams_exactly_once_and_is_idempotent(tmp_path, monkeypatch, caps
     assert code == 0, err
     assert "30 ingested, 0 already present" in out
     assert "each sample exactly once, checksums verified" in out
-    assert out.count("|                dataferry |") == 2 and "naive (1 request/sample)" in out
+    assert out.count("(partly prefetched)") == 2 and "naive (1 request in flight, 1 sample each)" in out
+    # the headline is total samples over total wall time, within 2% (issue 12)
+    row = next(line for line in out.splitlines() if "dataferry (completion order" in line)
+    samples, rate, _mb, seconds = (float(c.replace(",", "")) for c in row.strip("| ").split(" | ")[1:])
+    assert samples == 60 and abs(rate - samples / seconds) <= 0.02 * rate + 1
+    headline = next(line for line in out.splitlines() if line.startswith("headline:"))
+    assert f"dataferry {rate:,.0f} samples/s" in headline and "naive" in headline
     assert (tmp_path / "dataferry-demo.db").exists()
     code, out, err = cli(capsys, *args)
     assert code == 0, err

@@ -65,7 +65,7 @@ def test_epoch_through_the_proxy_is_exact_and_byte_exact(cql_dataset):
                     got[i] = d.tobytes()
             stats = loader.stats()
     assert got == blobs
-    assert stats.rtt is not None and stats.rtt >= 0.02  # the proxy's round trip is felt
+    assert stats.min_latency is not None and stats.min_latency >= 0.02  # the proxy's round trip is felt
 
 
 def test_exactly_once_with_injected_faults_over_real_cql(cql_dataset):
