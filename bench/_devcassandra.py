@@ -28,7 +28,7 @@ import weakref
 from pathlib import Path
 from urllib.parse import urlencode
 
-from dataferry.schema._errors import ConfigError, StoreUnavailable
+from dataferry.schema import ConfigError, StoreUnavailable
 
 __all__ = ["DevCassandra", "find_jar"]
 

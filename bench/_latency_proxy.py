@@ -61,7 +61,7 @@ import weakref
 from dataclasses import dataclass, fields
 
 from dataferry.schema._aio import LoopThread
-from dataferry.schema._errors import ConfigError
+from dataferry.schema import ConfigError
 
 __all__ = ["LinkOptions", "ProxyStats", "LatencyProxy", "ProxyThread", "format_address"]
 

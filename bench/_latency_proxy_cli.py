@@ -12,7 +12,7 @@ import argparse
 import asyncio
 import signal
 
-from dataferry.schema._errors import ConfigError
+from dataferry.schema import ConfigError
 
 from dataferry.schema._aio import new_event_loop
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 
-from dataferry.schema._errors import ConfigError
+from dataferry.schema import ConfigError
 
 __all__ = ["parse_duration", "parse_rate"]
 

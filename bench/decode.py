@@ -68,7 +68,8 @@ def _pillow(blobs: list[bytes], threads: int, passes: int):
 def _dali_decode(blobs: list[bytes], threads: int, passes: int, batch: int):
     import numpy as np
 
-    from dataferry.client._dali import DaliOptions, build_pipeline
+    from dataferry.client import DaliOptions
+    from dataferry.client._dali import build_pipeline
 
     arrays = [np.frombuffer(b, np.uint8) for b in blobs] * passes
     batches = [arrays[i : i + batch] for i in range(0, len(arrays), batch)]
@@ -97,9 +98,9 @@ def _dali_decode(blobs: list[bytes], threads: int, passes: int, batch: int):
 
 def _end_to_end(blobs: list[bytes], kind: str, threads: int, passes: int, batch: int):
     from dataferry.client import Loader, MemorySource
-    from dataferry.client._dali import DaliIterator, DaliOptions
-    from dataferry.client._torch import TorchIterator
-    from dataferry.client._transforms import TrainTransform
+    from dataferry.client import DaliIterator, DaliOptions
+    from dataferry.client import TorchIterator
+    from dataferry.client import TrainTransform
     from dataferry.schema import Sample
 
     source = MemorySource("bench", [Sample(i, i % 10, blobs[i % len(blobs)]) for i in range(len(blobs) * passes)])

@@ -66,7 +66,8 @@ def _agreement(blobs: list[bytes], device: str, device_id: int | None) -> float:
     """Mean |DALI - Pillow| over a few decoded JPEGs (uint8 levels)."""
     import numpy as np
 
-    from dataferry.client._dali import DaliOptions, build_pipeline
+    from dataferry.client import DaliOptions
+    from dataferry.client._dali import build_pipeline
     from dataferry.client._transforms import decode_rgb
 
     few = [np.frombuffer(b, np.uint8) for b in blobs[:8]]
@@ -92,7 +93,8 @@ def _agreement(blobs: list[bytes], device: str, device_id: int | None) -> float:
 def _decode_rate(blobs, device: str, device_id, batch: int, passes: int, runs: int) -> float:
     import numpy as np
 
-    from dataferry.client._dali import DaliOptions, build_pipeline
+    from dataferry.client import DaliOptions
+    from dataferry.client._dali import build_pipeline
 
     arrays = [np.frombuffer(b, np.uint8) for b in blobs] * passes
     batches = [arrays[i : i + batch] for i in range(0, len(arrays), batch)]
@@ -124,8 +126,8 @@ def _end_to_end_rate(blobs, device: str, device_id, batch: int, passes: int, run
     import torch
 
     from dataferry.client import Loader, MemorySource
-    from dataferry.client._dali import DaliIterator, DaliOptions
-    from dataferry.client._transforms import TrainTransform
+    from dataferry.client import DaliIterator, DaliOptions
+    from dataferry.client import TrainTransform
     from dataferry.schema import Sample
 
     if url is None:

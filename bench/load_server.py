@@ -56,8 +56,8 @@ async def _fill(url: str, images: int, data: str) -> None:
             pass
         t0 = time.perf_counter()
         if data == "synthetic":
-            from dataferry.schema._ingest import IngestOptions, ingest
-            from dataferry.schema._synthetic import make_synthetic
+            from dataferry.schema import IngestOptions, ingest
+            from dataferry.schema import make_synthetic
 
             with tempfile.TemporaryDirectory(prefix="dataferry-load-") as folder:
                 make_synthetic(folder, images, classes=10, seed=0)
@@ -126,7 +126,7 @@ def _client(url: str, ids: list[int], start: float, seconds: float, inflight: in
 
 
 async def _client_main(url, ids, start, seconds, inflight, size, seed) -> dict:
-    from dataferry.client._http import HttpOptions, HttpSource
+    from dataferry.client import HttpOptions, HttpSource
 
     rng = random.Random(seed)
     stats = {"samples": 0, "bytes": 0, "errors": 0, "requests": 0, "latencies": []}

@@ -98,7 +98,7 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     import torch
 
     from dataferry.client import Loader, PlanOptions
-    from dataferry.client._transforms import TrainTransform
+    from dataferry.client import TrainTransform
 
     device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
     kind = opts.loader
@@ -119,12 +119,12 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
         loader = stack.enter_context(Loader(opts.url, opts.dataset, split=opts.split, batch_size=opts.batch_size,
                                             plan=PlanOptions(seed=opts.seed), drop_last=True))
         if kind == "dali":
-            from dataferry.client._dali import DaliIterator, DaliOptions
+            from dataferry.client import DaliIterator, DaliOptions
 
             it = DaliIterator(loader, transform, options=DaliOptions(
                 device="gpu" if device.startswith("cuda") else "cpu", num_threads=opts.workers))
         else:
-            from dataferry.client._torch import TorchIterator
+            from dataferry.client import TorchIterator
 
             it = TorchIterator(loader, transform, workers=opts.workers)
         stack.callback(it.close)
