@@ -5,7 +5,7 @@
 uses (``read_split``, ``list_datasets``, ``get_dataset``, ``list_splits``).
 ``fetch`` sends one batch request per call and yields each record as its bytes
 arrive, in the server's completion order; the wire format is in
-``_framing.py``.
+``dataferry/schema/_wire.py``.
 
 One ``aiohttp.ClientSession`` with a keep-alive pool of
 ``HttpOptions.connections`` connections carries every request, so the engine's
@@ -68,8 +68,7 @@ from dataferry.schema._errors import (
     StoreUnavailable,
 )
 from dataferry.schema._tokens import valid_token
-
-from ._framing import (
+from dataferry.schema._wire import (
     FRAMES_TYPE,
     IDLIST_TYPE,
     IDS_TYPE,

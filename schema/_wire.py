@@ -46,8 +46,8 @@ from typing import Protocol
 
 import numpy as np
 
-from dataferry.schema import IdList, Sample, SampleNotFound
-from dataferry.schema._errors import DataferryError
+from ._errors import DataferryError, SampleNotFound
+from ._model import IdList, Sample
 
 __all__ = [
     "FRAMES_TYPE",

@@ -2,7 +2,7 @@
 
 ``make_app(store, ServerOptions(...))`` builds the application; ``dataferry
 serve`` (``_cli.py``) runs it. The API is described in ``openapi.yaml`` and
-the wire format in ``dataferry/client/_framing.py``. See ``README.md`` in this
+the wire format in ``dataferry/schema/_wire.py``. See ``README.md`` in this
 folder for a map of the files and how a request flows through them.
 
 Attributes are imported lazily (PEP 562) so ``dataferry --help`` stays fast.

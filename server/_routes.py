@@ -11,7 +11,7 @@ import asyncio
 
 from aiohttp import web
 
-from dataferry.client._framing import IDLIST_TYPE, idlist_header, idlist_parts
+from dataferry.schema._wire import IDLIST_TYPE, idlist_header, idlist_parts
 from dataferry.schema import DatasetInfo
 from dataferry.schema._errors import StoreError
 

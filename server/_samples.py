@@ -13,7 +13,7 @@ Two tasks per request, joined by a byte-bounded :class:`Outbox`::
   store's iteration, so a slow client never makes the server buffer unboundedly.
 * The response starts only when the first record is ready: a store that fails
   before answering anything gets a plain 503 JSON error. Once streaming, a
-  failure ends the stream with an ERROR record (see ``client/_framing.py``);
+  failure ends the stream with an ERROR record (see ``schema/_wire.py``);
   success ends it with an END record.
 """
 
@@ -27,7 +27,7 @@ from collections import deque
 import numpy as np
 from aiohttp import web
 
-from dataferry.client._framing import FRAMES_TYPE, encode_end, encode_error, encode_not_found, encode_sample
+from dataferry.schema._wire import FRAMES_TYPE, encode_end, encode_error, encode_not_found, encode_sample
 from dataferry.schema import Sample
 from dataferry.schema._errors import StoreError, StoreTimeout
 

@@ -16,7 +16,7 @@ import numpy as np
 from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestPayloadError
 
-from dataferry.client._framing import IDS_TYPE, WireFormatError, decode_ids
+from dataferry.schema._wire import IDS_TYPE, WireFormatError, decode_ids
 from dataferry.schema import check_name
 from dataferry.schema._errors import ConfigError
 

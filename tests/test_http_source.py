@@ -17,10 +17,10 @@ from collections import Counter
 import pytest
 
 from dataferry.client import Hedge, Loader, Prefetch, Retry
-from dataferry.client._framing import encode_end, encode_sample
 from dataferry.client._http import HttpOptions, HttpSource, RequestRejected, TokenRefused
 from dataferry.schema import Sample, open_store
 from dataferry.schema._errors import ConfigError, StoreError, StoreTimeout, StoreUnavailable
+from dataferry.schema._wire import encode_end, encode_sample
 from dataferry.server import ServerOptions, make_app
 from test_server_kit import make_samples, run, seed, serve
 

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from dataferry.client._framing import FRAMES_TYPE, IDLIST_TYPE, EndRecord, ErrorRecord, decode_idlist, encode_ids
 from dataferry.client._http import HttpOptions, HttpSource, TokenRefused
 from dataferry.schema import DatasetNotFound, IdList, Sample, SampleNotFound, SplitNotFound, open_store
 from dataferry.schema._errors import StoreTimeout, StoreUnavailable
+from dataferry.schema._wire import FRAMES_TYPE, IDLIST_TYPE, EndRecord, ErrorRecord, decode_idlist, encode_ids
 from dataferry.server import ServerOptions, make_app
 from dataferry.server._samples import Outbox
 from test_server_kit import LABELS, BrokenStore, call, decode, make_samples, run, seed, self_signed, serve

@@ -46,8 +46,8 @@ from aiohttp import web
 from openapi_schema_validator import OAS30Validator
 
 from dataferry.client import Loader, Retry
-from dataferry.client._framing import encode_ids
 from dataferry.schema import open_store
+from dataferry.schema._wire import encode_ids
 from dataferry.server import ServerOptions, make_app
 from test_server_kit import SPEC, BrokenStore, decode, make_samples, seed, spec_document
 

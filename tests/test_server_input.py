@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 from yarl import URL
 
-from dataferry.client._framing import encode_ids
 from dataferry.schema import open_store
+from dataferry.schema._wire import encode_ids
 from dataferry.server import ServerOptions, make_app
 from test_server_kit import SPEC, make_samples, seed, serve
 

@@ -24,9 +24,9 @@ import yaml
 from aiohttp import web
 from openapi_schema_validator import OAS30Validator
 
-from dataferry.client._framing import read_frames
 from dataferry.schema import DatasetInfo, IdList, Sample, SampleMeta, SampleRecord
 from dataferry.schema._errors import StoreUnavailable
+from dataferry.schema._wire import read_frames
 
 SPEC_PATH = Path(__file__).resolve().parent.parent / "server" / "openapi.yaml"
 
