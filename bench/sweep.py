@@ -191,9 +191,10 @@ def _routed(name: str, servers: _Servers, route) -> _Servers:
 
 
 #: Each run gets a fresh process forked from a forkserver that has imported the
-#: loaders: a run cannot inherit another's threads, sockets or leftovers (an
-#: idle cassandra-driver event loop has been seen to spin a core half a minute
-#: after a CQL Loader closed), and its CPU is its own and its workers'.
+#: loaders: a run cannot inherit another's threads, sockets or leftovers, and
+#: its CPU is its own and its workers'. (The cassandra-driver IO thread that
+#: once spun a core half a minute after a CQL Loader closed is fixed at its
+#: root, in ``schema/_cqlconnect.py``; ``tests/test_cql_shutdown.py``.)
 _PRELOAD = ["dataferry.bench._loaders", "dataferry.bench.webdataset_baseline", "dataferry.client", "numpy",
             "torch.utils.data", "webdataset", "cassandra.cluster"]
 

@@ -13,6 +13,13 @@ no batches, no ``IF NOT EXISTS``, no null bind values, no server-side paging.
 So writes are single statements that name only the columns they set, and
 pages are followed only where v2+ servers send them. Connection set-up and
 the translation of driver errors live in ``_cqlconnect.py``.
+
+``close()`` stops issuing, lets the requests still in flight answer (a Loader
+closes with its prefetch outstanding; at most ``_CLOSE_GRACE_S``), then shuts
+the cluster down off the loop and awaits it. A request cut off by the shutdown
+keeps its driver timer until its deadline, which keeps the driver's IO thread
+alive (asleep) until then; answered ones leave nothing behind, and the thread
+ends with the last connection.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ from ._store import FetchResult, SampleRecord
 from ._url import CassandraOptions, redact_url
 
 __all__ = ["CassandraStore"]
+
+#: How long ``close()`` waits for requests in flight to answer before shutting the cluster down.
+_CLOSE_GRACE_S = 2.0
 
 # (name, CQL with {ks}, number of leading bind markers that form the partition key)
 _STATEMENTS = {
@@ -74,6 +84,9 @@ class CassandraStore:
         self._ps = prepared
         self._loop = asyncio.get_running_loop()
         self._sem = asyncio.Semaphore(opts.concurrency)
+        self._inflight = 0
+        self._idle = asyncio.Event()  # set while no request is in flight
+        self._idle.set()
         self._closed = False
 
     @classmethod
@@ -108,9 +121,14 @@ class CassandraStore:
     def _issue(self, name: str, params: tuple, deliver) -> None:
         """Send one request (the semaphore is held); ``deliver(rows, exc)`` runs on the loop."""
         loop, sem = self._loop, self._sem
+        self._inflight += 1
+        self._idle.clear()
 
         def settle(rows, exc):
             sem.release()
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.set()
             deliver(rows, exc)
 
         def hop(rows, exc):
@@ -154,6 +172,9 @@ class CassandraStore:
                     more = False
                     break
                 await self._sem.acquire()
+                if self._closed:  # closed while this waited: issue nothing more
+                    self._sem.release()
+                    raise StoreUnavailable(f"cassandra store {self._where} is closed")
                 self._issue(name, job[1], partial(deliver, job[0]))
                 pending += 1
             if not pending:
@@ -310,7 +331,14 @@ class CassandraStore:
         if self._closed:
             return
         self._closed = True
-        await asyncio.to_thread(self._cluster.shutdown)
+        try:
+            # Shutting the cluster down under a request orphans it (the driver drops its retry) with its
+            # timer pending until the deadline; an answered one leaves nothing behind.
+            await asyncio.wait_for(self._idle.wait(), min(_CLOSE_GRACE_S, self._opts.request_timeout))
+        except TimeoutError:
+            pass  # the server is slow or gone: shut down anyway
+        finally:
+            await asyncio.to_thread(self._cluster.shutdown)
 
     async def __aenter__(self) -> CassandraStore:
         return self

@@ -11,13 +11,17 @@ Cassandra 5 and ScyllaDB:
   "Downgrading core protocol version" line per step; ``protocol_version=N`` in
   the store URL skips that);
 * schema metadata is off (no refresh storms on schema changes, no schema scan
-  per worker); only the store's keyspace is loaded, for token-aware routing.
+  per worker); only the store's keyspace is loaded, for token-aware routing;
+* the driver's libev IO loop stops its timer once no timer is pending
+  (:func:`_mend_libev_timer`), so that it ends with the last connection instead
+  of spinning a core after ``Cluster.shutdown()``.
 """
 
 from __future__ import annotations
 
 import math
 import ssl
+import time
 
 from ._errors import ConfigError, StoreError, StoreTimeout, StoreUnavailable
 from ._url import CassandraOptions, redact_url
@@ -58,6 +62,39 @@ def _auth_provider(cluster, username: str, password: str | None):
     return _Auth(username, password or "")
 
 
+def _update_timer(self) -> None:
+    """``LibevLoop._update_timer`` that also stops the timer when no timer is pending.
+
+    The loop runs it before every wait, on its own thread. The driver's version
+    (3.x, 3.30.1 included) only ever (re)starts the timer watcher, and starts it
+    as a repeating one (``ev_timer_again`` with the time left to the next
+    deadline as its interval); with nothing left to wait for it leaves it
+    running. So the IO thread never ends, and once the last pending deadline has
+    passed it wakes forever at the last interval set, which for requests
+    orphaned by ``Cluster.shutdown()`` (they time out a request timeout later)
+    is the gap between the last two deadlines: microseconds, a core spinning.
+    """
+    next_end = None if self._shutdown else self._timers.service_timeouts()
+    if next_end:
+        self._loop_timer.start(next_end - time.time())  # the watcher takes negative values as "now"
+    else:
+        self._loop_timer.stop()  # no watcher left once the connections are closed: the loop ends
+
+
+def _mend_libev_timer(connection_class) -> None:
+    """Install :func:`_update_timer` on the driver's libev loop (process-wide, once) if it is in use."""
+    try:
+        from cassandra.io.libevreactor import LibevConnection, LibevLoop
+    except Exception:  # noqa: BLE001 - DependencyException or ImportError: libev is not built here
+        return
+    original = LibevLoop._update_timer
+    if original is _update_timer or not issubclass(connection_class, LibevConnection):
+        return
+    if not {"_shutdown", "_timers", "service_timeouts", "_loop_timer"} <= set(original.__code__.co_names):
+        return  # not the loop this was written for: leave it alone (tests/test_cql_shutdown.py will tell)
+    LibevLoop._update_timer = _update_timer
+
+
 def connect(opts: CassandraOptions, **cluster_args):
     """Blocking: ``(cluster, session, keyspace_exists)`` for ``opts``; no keyspace is set.
 
@@ -89,6 +126,7 @@ def connect(opts: CassandraOptions, **cluster_args):
         schema_metadata_enabled=False,  # we need the keyspace only; loaded below
         **cluster_args,
     )
+    _mend_libev_timer(cluster.connection_class)
     if opts.protocol_version is None:
         cluster.protocol_version = ProtocolVersion.V5  # still negotiated, minus the DSE-only versions
     if opts.username:
