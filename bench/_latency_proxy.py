@@ -26,6 +26,19 @@ netem). A rate serialises chunks one after another ("next free time") before
 the delay. Each direction holds at most ``LinkOptions.buffer_cap`` bytes, plus
 the destination socket's write buffer (``_WRITE_HIGH``, about 1 MiB).
 
+A TCP window: like a real sender, each direction of each connection has at
+most ``LinkOptions.window`` bytes in flight, unacknowledged: read from the
+source and not yet acknowledged, which happens one delay after the chunk is
+written to the destination (its ACK's trip back). So one connection carries
+at most window / RTT, as over a real long path, whatever the proxy could move.
+The default window is the kernel's ``net.ipv4.tcp_rmem`` maximum, the most a
+receiver here would advertise.
+
+What it does not emulate: slow start and congestion control (a connection
+gets its whole window at once), loss and retransmission, and the sender's own
+buffer limits. Throughput through it is an upper bound for a real path with
+the same RTT and window.
+
 A fresh connection pays the TCP handshake's round trip: data the client sends
 reaches the upstream no earlier than 3 × delay after the connection was
 accepted (SYN, SYN-ACK, then the data), and data the upstream sends first
@@ -58,7 +71,7 @@ import struct
 import threading
 import time
 import weakref
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from dataferry.schema._aio import LoopThread
 from dataferry.schema import ConfigError
@@ -78,6 +91,16 @@ _WRITE_HIGH = 1 << 20
 _WRITE_LOW = 256 << 10
 #: seconds to open the upstream connection
 _CONNECT_TIMEOUT = 10.0
+
+
+def kernel_tcp_window() -> int:
+    """The largest receive window this kernel lets a socket advertise
+    (``net.ipv4.tcp_rmem``'s maximum); 6 MiB, Linux's usual default, if unknown."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_rmem") as f:
+            return int(f.read().split()[2])
+    except (OSError, ValueError, IndexError):
+        return 6 << 20
 #: seconds close() waits for reset sockets to report closed
 _CLOSE_TIMEOUT = 5.0
 #: the shortest sleep: timers of some loops (uvloop) have 1 ms resolution
@@ -101,6 +124,9 @@ class LinkOptions:
     max_buffer: int | None = None
     #: charge a fresh connection the round trip of the TCP handshake
     handshake: bool = True
+    #: bytes in flight (unacknowledged) per direction of a connection, as a TCP
+    #: window; None: unlimited. Default: the kernel's tcp_rmem maximum
+    window: int | None = field(default_factory=kernel_tcp_window)
 
     def __post_init__(self) -> None:
         for name in ("delay", "jitter"):
@@ -113,6 +139,8 @@ class LinkOptions:
             raise ConfigError(f"link rate must be a positive number of bytes/s or None, not {self.rate!r}")
         if self.max_buffer is not None and not (isinstance(self.max_buffer, int) and self.max_buffer >= 1):
             raise ConfigError(f"link max_buffer must be a positive number of bytes or None, not {self.max_buffer!r}")
+        if self.window is not None and not (isinstance(self.window, int) and self.window >= 1):
+            raise ConfigError(f"link window must be a positive number of bytes or None, not {self.window!r}")
 
     @property
     def transparent(self) -> bool:
@@ -128,7 +156,8 @@ class LinkOptions:
     @property
     def read_size(self) -> int:
         """Bytes asked of the source per read."""
-        return min(self._chunk(), self.buffer_cap)
+        size = min(self._chunk(), self.buffer_cap)
+        return size if self.window is None or self.transparent else min(size, self.window)
 
     @property
     def buffer_cap(self) -> int:
@@ -145,6 +174,8 @@ class LinkOptions:
         if self.jitter:
             parts.append(f"jitter {_format_seconds(self.jitter)}")
         parts.append(f"rate {self.rate / 1e6:g} MB/s" if self.rate else "rate unlimited")
+        if self.window is not None and not self.transparent:
+            parts.append(f"window {self.window / 2**20:g} MiB")
         if not self.handshake:
             parts.append("no handshake")
         return ", ".join(parts)
@@ -269,6 +300,11 @@ class _Pipe:
         self._direct = link.transparent
         self._cap = link.buffer_cap
         self.read_size = link.read_size
+        # the TCP window: bytes written to the destination and not yet acknowledged
+        self._window = None if link.transparent else link.window
+        self._unacked = 0
+        self._acks: collections.deque[tuple[float, int]] = collections.deque()
+        self._ack_timer: asyncio.TimerHandle | None = None
         self._queue: collections.deque[tuple[float, bytes | None]] = collections.deque()
         self.held = 0
         self._timer: asyncio.TimerHandle | asyncio.Handle | None = None
@@ -291,6 +327,8 @@ class _Pipe:
         # with some hysteresis: once full, read again when a quarter is free
         limit = max(self._cap - self._cap // 4, self.read_size) if self._paused else self._cap
         full = self.held + self.read_size > limit
+        if self._window is not None and self.held + self._unacked + self.read_size > self._window:
+            full = True  # the window is used up: wait for acknowledgements
         pause = not self._started or full or (self._direct and self._blocked)
         if pause != self._paused and not self.dead:
             self._paused = pause
@@ -369,9 +407,29 @@ class _Pipe:
         if written:
             self._counters.buffered -= written
             self._delivered(written)
+            if self._window is not None:
+                self._unacked += written
+                self._acks.append((now + self._link.delay, written))
+                if self._ack_timer is None:
+                    self._arm_ack()
             self._update_reading()
         if lost:
             self.kill()
+
+    def _arm_ack(self) -> None:
+        due = self._acks[0][0] - time.monotonic()
+        self._ack_timer = self._conn.loop.call_later(max(due, _TIMER_SLACK), self._on_ack)
+
+    def _on_ack(self) -> None:
+        """Acknowledgements are back: the window opens by what they cover."""
+        self._ack_timer = None
+        now = time.monotonic()
+        while self._acks and self._acks[0][0] <= now:
+            self._unacked -= self._acks.popleft()[1]
+        if self._acks and not self.dead:
+            self._arm_ack()
+        if not self.dead:
+            self._update_reading()
 
     def _deliver_end(self, marker: bytes | None) -> None:
         self.done = True
@@ -398,6 +456,9 @@ class _Pipe:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._ack_timer is not None:
+            self._ack_timer.cancel()
+            self._ack_timer = None
         self._queue.clear()
         self._counters.buffered -= self.held
         self.held = 0

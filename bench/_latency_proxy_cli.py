@@ -17,7 +17,7 @@ from dataferry.schema import ConfigError
 from dataferry.schema._aio import new_event_loop
 
 from ._latency_proxy import Address, LatencyProxy, LinkOptions, format_address
-from ._units import parse_duration, parse_rate
+from ._units import parse_duration, parse_rate, parse_size
 
 __all__ = ["serve_proxy", "add_cli_arguments", "cli"]
 
@@ -81,6 +81,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vary each chunk's delay within +/- this; order is kept")
     parser.add_argument("--rate", default=None, metavar="RATE",
                         help="bandwidth per direction, e.g. 1gbit, 100mbit or 50MB (default: unlimited)")
+    parser.add_argument("--window", default=None, metavar="BYTES",
+                        help="TCP window: bytes in flight per direction of a connection, e.g. 6MB "
+                             "(default: the kernel's net.ipv4.tcp_rmem maximum; 'none': unlimited)")
     parser.add_argument("--no-handshake", action="store_true",
                         help="do not charge a fresh connection the TCP handshake's round trip")
 
@@ -98,6 +101,7 @@ def cli(args: argparse.Namespace) -> int:
         jitter=parse_duration(args.jitter),
         rate=None if args.rate is None else parse_rate(args.rate),
         handshake=not args.no_handshake,
+        **({} if args.window is None else {"window": _parse_window(args.window)}),
     )
     loop = new_event_loop()
     try:
@@ -108,3 +112,10 @@ def cli(args: argparse.Namespace) -> int:
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
     return 0
+
+
+def _parse_window(text: str) -> int | None:
+    """``--window``: a size (``6MB``, ``512KiB``, plain bytes) or ``none``."""
+    if text.strip().lower() in ("none", "unlimited"):
+        return None
+    return parse_size(text, "--window")

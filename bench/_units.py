@@ -12,7 +12,7 @@ import re
 
 from dataferry.schema import ConfigError
 
-__all__ = ["parse_duration", "parse_rate"]
+__all__ = ["parse_duration", "parse_rate", "parse_size"]
 
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)(?:[eE]([-+]?\d+))?"
 _DURATION = re.compile(rf"\s*{_NUMBER}\s*([a-zµ]*)\s*", re.IGNORECASE)
@@ -74,3 +74,22 @@ def parse_rate(text: str | float) -> float:
     if not (math.isfinite(value) and value > 0):
         raise ConfigError(f"bad rate {text!r}: must be a positive, finite rate (leave the rate out for an unlimited link)")
     return value
+
+
+_SIZE = re.compile(rf"\s*{_NUMBER}\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_size(text: str | int, what: str = "size") -> int:
+    """A byte count: ``"6MB"``, ``"512KiB"``, ``"4194304"`` (bytes) -> bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = _SIZE.fullmatch(str(text))
+        unit = match.group(3) if match else None
+        if unit not in _BYTE_UNITS:
+            raise ConfigError(f"bad {what} {text!r}: expected bytes with an optional unit KB, MB, GB, KiB, MiB, GiB, "
+                              "e.g. '6MB'")
+        value = _number(match) * _BYTE_UNITS[unit]
+    if not (math.isfinite(value) and value >= 1):
+        raise ConfigError(f"bad {what} {text!r}: must be at least one byte")
+    return int(value)

@@ -90,8 +90,11 @@ class HttpOptions:
 
     #: keep-alive connections in the pool (requests in flight at once)
     connections: int = 128
-    #: ids per batch request the engine should send (``preferred_request_size``)
-    request_size: int = 64
+    #: ids per batch request the engine should send (``preferred_request_size``).
+    #: Each request in flight has its own connection, and one connection carries
+    #: at most its TCP window per round trip: 32 x 110 KB = 3.5 MB stays under
+    #: Linux's usual 6 MiB window (deploy/TRAINING.md, "TCP windows")
+    request_size: int = 32
     #: seconds to open a TCP (and TLS) connection
     connect_timeout: float = 10.0
     #: seconds of silence allowed while reading a response

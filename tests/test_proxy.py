@@ -612,7 +612,7 @@ def test_link_options_validate_and_size_the_buffer():
     assert LinkOptions(rate=125e6).buffer_cap >= 4 * LinkOptions(rate=125e6).read_size
     assert LinkOptions(delay=0.05, max_buffer=1000).buffer_cap == 1000
     assert LinkOptions(max_buffer=1000).read_size == 1000
-    assert LinkOptions(delay=0.05, jitter=0.005, rate=125e6).describe() == "delay 50ms, jitter 5ms, rate 125 MB/s"
+    assert LinkOptions(delay=0.05, jitter=0.005, rate=125e6, window=None).describe() == "delay 50ms, jitter 5ms, rate 125 MB/s"
 
 
 def _cli_args(*argv: str) -> argparse.Namespace:
@@ -648,7 +648,7 @@ def test_serve_proxy_prints_its_address_and_serves_until_cancelled(capsys):
             while "listening on" not in line:
                 await asyncio.sleep(0.01)
                 line += capsys.readouterr().out
-            assert f"-> upstream {up[0]}:{up[1]} (delay 10ms, rate unlimited)" in line
+            assert f"-> upstream {up[0]}:{up[1]} (delay 10ms, rate unlimited, window" in line
             host, port = line.split("listening on ")[1].split()[0].rsplit(":", 1)
             reader, writer = await asyncio.open_connection(host, int(port))
             assert await ping(reader, writer) >= 0.02
@@ -693,3 +693,62 @@ def test_cli_serves_until_sigterm_then_exits_cleanly():
                 proc.kill()
             out, err = proc.communicate()
         assert "Traceback" not in err
+
+
+# -- the TCP window -------------------------------------------------------------
+
+
+async def _download(proxy_address, total: int) -> float:
+    """Ask the upstream for ``total`` bytes; seconds from the request to the last byte."""
+    reader, writer = await asyncio.open_connection(*proxy_address)
+    await asyncio.sleep(0.3)  # the handshake's round trip is paid before timing starts
+    start = time.monotonic()
+    writer.write(struct.pack("!Q", total))
+    await writer.drain()
+    got = 0
+    while got < total:
+        data = await reader.read(1 << 20)
+        assert data, f"stream ended after {got} of {total} bytes"
+        got += len(data)
+    elapsed = time.monotonic() - start
+    await close_writer(writer)
+    return elapsed
+
+
+async def bulk_source(reader, writer):
+    (total,) = struct.unpack("!Q", await reader.readexactly(8))
+    chunk = bytes(1 << 20)
+    while total > 0:
+        writer.write(chunk[: min(total, len(chunk))])
+        total -= min(total, len(chunk))
+        await writer.drain()
+    writer.close()
+
+
+@pytest.mark.parametrize("window", [None, 2 << 20], ids=["kernel-default", "2MiB"])
+def test_one_connection_carries_at_most_window_per_round_trip(window):
+    """Issue 12: through the proxy at 100 ms RTT, one long response moves no
+    more than window / RTT, as over a real long path; with a small window the
+    proxy itself is not what limits it."""
+    link = LinkOptions(delay=0.05) if window is None else LinkOptions(delay=0.05, window=window)
+    w = link.window
+    total = 4 * w
+
+    async def main():
+        async with upstream(bulk_source) as up, LatencyProxy(up, link) as proxy:
+            return await _download(proxy.address, total)
+
+    elapsed = run(main())
+    ceiling = w / 0.1
+    print(f"window {w >> 20} MiB at 100 ms: {total / elapsed / 1e6:.1f} MB/s (ceiling {ceiling / 1e6:.1f} MB/s)")
+    assert total / elapsed <= 1.1 * ceiling
+    if window is not None:
+        assert total / elapsed >= 0.5 * ceiling
+
+
+def test_window_option_and_flag():
+    with pytest.raises(ConfigError, match="window"):
+        LinkOptions(window=0)
+    with open("/proc/sys/net/ipv4/tcp_rmem") as f:
+        assert LinkOptions().window == int(f.read().split()[2])
+    assert "window 2 MiB" in LinkOptions(delay=0.01, window=2 << 20).describe()
