@@ -39,6 +39,7 @@ class LoopThread:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
         self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.run_until_complete(self.loop.shutdown_default_executor())  # its threads end with the loop
         self.loop.close()
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
