@@ -292,20 +292,20 @@ class ImageEpoch:
             raise StopIteration
         return owner
 
-    def __next__(self) -> ImageBatch:
+    def _take(self, nowait: bool) -> ImageBatch:
         try:
-            return self._switch()._next()
+            owner = self._switch()
+            return owner._next_nowait() if nowait else owner._next()
         except StopIteration:
             self._done = True
             raise
 
+    def __next__(self) -> ImageBatch:
+        return self._take(False)
+
     def get_nowait(self) -> ImageBatch:
         """The next decoded batch if one is ready, else ``queue.Empty``."""
-        try:
-            return self._switch()._next_nowait()
-        except StopIteration:
-            self._done = True
-            raise
+        return self._take(True)
 
     def __len__(self) -> int:
         return len(self._owner)
