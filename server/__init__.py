@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["make_app", "ServerOptions", "Metrics"]
+__all__ = ["make_app", "ServerOptions"]
 
-_LAZY = {"make_app": "_app", "ServerOptions": "_options", "Metrics": "_metrics"}
+_LAZY = {"make_app": "_app", "ServerOptions": "_options"}
 
 
 def __getattr__(name: str):

@@ -20,8 +20,8 @@ from dataferry.schema import Store
 from dataferry.schema._url import redact_url
 
 from ._gate import StoreGate
-from ._keys import GATE, LIMIT, METRICS, OPTIONS
-from ._metrics import Metrics
+from ._keys import GATE, LIMIT, METRICS, OPTIONS, REGISTRY
+from ._metrics import Metrics, new_registry
 from ._middleware import MIDDLEWARES
 from ._options import ServerOptions
 from ._protocol import handler_args
@@ -37,7 +37,8 @@ def make_app(store: Store | str, options: ServerOptions = ServerOptions()) -> we
     closed at cleanup) or an open :class:`Store` (left open: the caller owns it)."""
     app = web.Application(client_max_size=options.max_body_bytes, middlewares=MIDDLEWARES, handler_args=handler_args(options))
     app[OPTIONS] = options
-    app[METRICS] = Metrics()
+    app[REGISTRY] = new_registry()
+    app[METRICS] = Metrics.register(app[REGISTRY])
     app.cleanup_ctx.append(_store_context(store))
     app.router.add_routes(routes)
     return app

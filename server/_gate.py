@@ -54,11 +54,11 @@ class StoreGate:
             self.failed(op, exc)
             raise
         finally:
-            self.metrics.store_latency.observe(time.perf_counter() - t0, op=op)
+            self.metrics.store_latency.labels(op=op).observe(time.perf_counter() - t0)
 
     def failed(self, op: str, exc: BaseException) -> None:
         kind = "timeout" if isinstance(exc, TimeoutError) else "unavailable"
-        self.metrics.store_errors.inc(kind=kind)
+        self.metrics.store_errors.labels(kind=kind).inc()
         log.warning("store %s: %s failed: %s", self.where, op, exc)
 
     async def require_dataset(self, name: str) -> None:

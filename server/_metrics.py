@@ -1,5 +1,12 @@
-"""Prometheus metrics, hand-written: counters, gauges and histograms with labels,
-rendered in the text exposition format (version 0.0.4). No dependency.
+"""The server's Prometheus metrics, on ``prometheus-client``.
+
+Each application gets its own ``CollectorRegistry`` (``new_registry``, kept
+under the ``REGISTRY`` app key), never the process-global one, so two apps in
+one process count apart and embedding the app adds nothing to what the host
+process exposes. Beside the service's metrics (:class:`Metrics`) the registry
+holds the process (memory, CPU, file descriptors), GC and platform
+collectors. ``deploy/OPERATIONS.md`` lists every family; a test scrapes the
+real app and holds the two together.
 
 Every label value comes from a fixed set (route templates, status codes, error
 names, store operations), never from the request, so series stay few.
@@ -7,127 +14,95 @@ names, store operations), never from the request, so series stay few.
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from dataclasses import dataclass
 
-__all__ = ["Metrics", "Counter", "Gauge", "Histogram", "CONTENT_TYPE"]
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.metrics_core import Metric
 
+__all__ = ["Metrics", "new_registry", "exposition", "CONTENT_TYPE"]
+
+#: the text format every Prometheus (2.x and 3.x) scrapes as it is
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 #: seconds; store reads near the store take ~1 ms, across a bad link ~100 ms
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+_P = "dataferry_server_"
 
 
-def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
+def new_registry() -> CollectorRegistry:
+    """A registry of its own, with the process, GC and platform collectors."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    GCCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    return registry
 
 
-def _num(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else repr(float(v))
-
-
-class Counter:
-    kind = "counter"
-
-    def __init__(self, name: str, help: str, labels: Sequence[str] = ()) -> None:
-        self.name, self.help, self.labelnames = name, help, tuple(labels)
-        self._values: dict[tuple[str, ...], float] = {}
-
-    def _key(self, labels: dict[str, object]) -> tuple[str, ...]:
-        return tuple(str(labels[n]) for n in self.labelnames)
-
-    def inc(self, amount: float = 1, **labels: object) -> None:
-        key = self._key(labels)
-        self._values[key] = self._values.get(key, 0) + amount
-
-    def value(self, **labels: object) -> float:
-        return self._values.get(self._key(labels), 0)
-
-    def samples(self) -> Iterator[str]:
-        if not self._values and not self.labelnames:
-            yield f"{self.name} 0"
-        for key, v in sorted(self._values.items()):
-            yield f"{self.name}{_labels(self.labelnames, key)} {_num(v)}"
-
-
-class Gauge(Counter):
-    kind = "gauge"
-
-    def dec(self, amount: float = 1, **labels: object) -> None:
-        self.inc(-amount, **labels)
-
-
-class Histogram:
-    kind = "histogram"
-
-    def __init__(self, name: str, help: str, labels: Sequence[str] = (), buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
-        self.name, self.help, self.labelnames = name, help, tuple(labels)
-        self.buckets = tuple(sorted(buckets))
-        self._series: dict[tuple[str, ...], list] = {}  # key -> [counts per bucket, sum, count]
-
-    def observe(self, value: float, **labels: object) -> None:
-        key = tuple(str(labels[n]) for n in self.labelnames)
-        s = self._series.get(key)
-        if s is None:
-            s = self._series[key] = [[0] * len(self.buckets), 0.0, 0]
-        i = bisect.bisect_left(self.buckets, value)
-        if i < len(self.buckets):
-            s[0][i] += 1
-        s[1] += value
-        s[2] += 1
-
-    def count(self, **labels: object) -> int:
-        s = self._series.get(tuple(str(labels[n]) for n in self.labelnames))
-        return s[2] if s else 0
-
-    def samples(self) -> Iterator[str]:
-        for key, (counts, total, n) in sorted(self._series.items()):
-            cum = 0
-            for le, c in zip(self.buckets, counts):
-                cum += c
-                bucket = _labels(self.labelnames, key, 'le="%s"' % _num(le))
-                yield f"{self.name}_bucket{bucket} {cum}"
-            bucket = _labels(self.labelnames, key, 'le="+Inf"')
-            yield f"{self.name}_bucket{bucket} {n}"
-            yield f"{self.name}_sum{_labels(self.labelnames, key)} {_num(total)}"
-            yield f"{self.name}_count{_labels(self.labelnames, key)} {n}"
-
-
+@dataclass(frozen=True, slots=True)
 class Metrics:
-    """The server's metrics, one instance per application."""
+    """The service's metrics, registered on one application's registry."""
 
-    def __init__(self) -> None:
-        p = "dataferry_server_"
-        self.requests = Counter(p + "requests_total", "HTTP requests by route template, method and status.",
-                                ("route", "method", "status"))
-        self.in_flight = Gauge(p + "requests_in_flight", "HTTP requests being served now.")
-        self.errors = Counter(p + "errors_total", "Error responses and stream errors by error name.", ("error",))
-        self.samples = Counter(p + "samples_served_total", "Samples sent in batch fetch responses.")
-        self.not_found = Counter(p + "samples_not_found_total", "Ids answered with a not-found record.")
-        self.bytes = Counter(p + "bytes_served_total", "Response body bytes written by data endpoints.")
-        self.store_latency = Histogram(
-            p + "store_latency_seconds",
-            "Store call latency by operation; fetch_first is a batch fetch's time to its first sample, "
-            "fetch its time to the last.",
-            ("op",),
+    requests: Counter
+    in_flight: Gauge
+    errors: Counter
+    samples: Counter
+    not_found: Counter
+    bytes: Counter
+    store_latency: Histogram
+    store_errors: Counter
+
+    @classmethod
+    def register(cls, registry: CollectorRegistry) -> Metrics:
+        r = registry
+        return cls(
+            requests=Counter(_P + "requests_total", "HTTP requests by route template, method and status.",
+                             ("route", "method", "status"), registry=r),
+            in_flight=Gauge(_P + "requests_in_flight", "HTTP requests being served now.", registry=r),
+            errors=Counter(_P + "errors_total", "Error responses and stream errors by error name.", ("error",),
+                           registry=r),
+            samples=Counter(_P + "samples_served_total", "Samples sent in batch fetch responses.", registry=r),
+            not_found=Counter(_P + "samples_not_found_total", "Ids answered with a not-found record.", registry=r),
+            bytes=Counter(_P + "bytes_served_total", "Response body bytes written by data endpoints.", registry=r),
+            store_latency=Histogram(
+                _P + "store_latency_seconds",
+                "Store call latency by operation; fetch_first is a batch fetch's time to its first sample, "
+                "fetch its time to the last.",
+                ("op",), buckets=LATENCY_BUCKETS, registry=r,
+            ),
+            store_errors=Counter(_P + "store_errors_total", "Store failures by kind.", ("kind",), registry=r),
         )
-        self.store_errors = Counter(p + "store_errors_total", "Store failures by kind.", ("kind",))
 
-    def all(self):
-        return (self.requests, self.in_flight, self.errors, self.samples, self.not_found, self.bytes,
-                self.store_latency, self.store_errors)
 
-    def render(self) -> str:
-        lines: list[str] = []
-        for m in self.all():
-            lines.append(f"# HELP {m.name} {m.help}")
-            lines.append(f"# TYPE {m.name} {m.kind}")
-            lines.extend(m.samples())
-        return "\n".join(lines) + "\n"
+def exposition(registry: CollectorRegistry) -> bytes:
+    """The registry in the text format (``CONTENT_TYPE``), without ``_created`` series."""
+    return generate_latest(_WithoutCreated(registry))
+
+
+class _WithoutCreated:
+    """A view of a registry that leaves out the ``_created`` series.
+
+    prometheus-client adds a ``<name>_created`` gauge (the series' start time)
+    beside every counter and histogram; Prometheus does not use it from the
+    text format, and it doubles the series. Its own switch
+    (``disable_created_metrics``) is process-wide, and the app must not change
+    what other code in the process exposes, so the app's exposition drops them.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():  # fresh objects on every collect
+            family.samples = [s for s in family.samples if s.name != family.name + "_created"]
+            yield family

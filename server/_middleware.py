@@ -46,10 +46,10 @@ def _route(request: web.Request) -> str:
 @web.middleware
 async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     m = request.app[METRICS]
-    m.in_flight.inc()
     status = "500"
     try:
-        resp = await handler(request)
+        with m.in_flight.track_inprogress():
+            resp = await handler(request)
         status = str(resp.status)
         return resp
     except web.HTTPException as exc:
@@ -59,8 +59,7 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
         status = "cancelled"
         raise
     finally:
-        m.in_flight.dec()
-        m.requests.inc(route=_route(request), method=request.method, status=status)
+        m.requests.labels(route=_route(request), method=request.method, status=status).inc()
 
 
 @web.middleware
@@ -75,7 +74,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             log.exception("%s %s failed", request.method, request.path)
             resp = translate(http_error(500, "internal_error", "the server failed; see its log"))
         if resp.status >= 400:
-            request.app[METRICS].errors.inc(error=_error_name(resp))
+            request.app[METRICS].errors.labels(error=_error_name(resp)).inc()
         return resp
 
 
@@ -144,7 +143,7 @@ async def limit_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 def _held_too_long(request: web.Request, limit: float) -> web.StreamResponse:
     started = request.writer.output_size > 0
-    request.app[METRICS].errors.inc(error="hold_timeout")
+    request.app[METRICS].errors.labels(error="hold_timeout").inc()
     log.warning("%s %s from %s: ended after holding its slot for %g s (hold_timeout)%s", request.method,
                 request.rel_url.raw_path[:200], request.remote, limit, "; connection dropped mid-response" * started)
     if started and request.transport is not None:

@@ -16,8 +16,9 @@ from dataferry.schema import DatasetInfo
 from dataferry.schema._errors import StoreError
 
 from ._errors import JSON_TYPE, error_body
-from ._keys import GATE, METRICS
+from ._keys import GATE, METRICS, REGISTRY
 from ._metrics import CONTENT_TYPE as METRICS_TYPE
+from ._metrics import exposition
 from ._samples import stream_samples
 from ._validate import name_param, no_query, read_ids
 
@@ -111,5 +112,4 @@ async def readyz(request: web.Request) -> web.Response:
 
 @routes.get("/metrics", allow_head=False)
 async def metrics(request: web.Request) -> web.Response:
-    text = request.app[METRICS].render()
-    return web.Response(body=text.encode(), headers={"Content-Type": METRICS_TYPE})
+    return web.Response(body=exposition(request.app[REGISTRY]), headers={"Content-Type": METRICS_TYPE})

@@ -106,7 +106,7 @@ async def _produce(gate: StoreGate, dataset: str, ids: np.ndarray, outbox: Outbo
                     f"({records} of {len(ids)} answered)"
                 ) from exc
             if records == 0:
-                metrics.store_latency.observe(time.perf_counter() - t0, op="fetch_first")
+                metrics.store_latency.labels(op="fetch_first").observe(time.perf_counter() - t0)
             records += 1
             if isinstance(result, Sample):
                 metrics.samples.inc()
@@ -114,7 +114,7 @@ async def _produce(gate: StoreGate, dataset: str, ids: np.ndarray, outbox: Outbo
             else:
                 metrics.not_found.inc()
                 await outbox.put((encode_not_found(result.id),))
-        metrics.store_latency.observe(time.perf_counter() - t0, op="fetch")
+        metrics.store_latency.labels(op="fetch").observe(time.perf_counter() - t0)
         await outbox.put((encode_end(records),))
         outbox.close()
     except StoreError as exc:
@@ -147,7 +147,7 @@ async def stream_samples(request: web.Request, gate: StoreGate, dataset: str, id
                 raise exc  # nothing sent yet: the errors middleware answers 503 (or 500)
             name = "store_timeout" if isinstance(exc, StoreTimeout) else (
                 "store_unavailable" if isinstance(exc, StoreError) else "internal_error")
-            metrics.errors.inc(error=name)
+            metrics.errors.labels(error=name).inc()
             await _send(resp, encode_error(name, str(exc) if isinstance(exc, StoreError) else "internal error"),
                         options, metrics)
         assert resp is not None  # the producer always puts END or closes with an error
@@ -157,7 +157,7 @@ async def stream_samples(request: web.Request, gate: StoreGate, dataset: str, id
         if resp is None:
             raise
         # the client went away or stopped reading: drop the connection, quietly
-        metrics.errors.inc(error="client_disconnected")
+        metrics.errors.labels(error="client_disconnected").inc()
         log.info("batch fetch from %r to %s abandoned: %s", dataset, request.remote, exc)
         if request.transport is not None:
             request.transport.abort()
@@ -173,6 +173,6 @@ async def _send(resp: web.StreamResponse, data: bytes, options: ServerOptions, m
         async with asyncio.timeout(options.send_timeout):
             await resp.write(data)
     except TimeoutError:
-        metrics.errors.inc(error="send_timeout")
+        metrics.errors.labels(error="send_timeout").inc()
         raise ConnectionResetError(f"client did not read {len(data)} bytes within {options.send_timeout:g} s") from None
     metrics.bytes.inc(len(data))

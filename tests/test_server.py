@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -26,7 +27,7 @@ from dataferry.schema._errors import StoreTimeout, StoreUnavailable
 from dataferry.schema._wire import FRAMES_TYPE, IDLIST_TYPE, EndRecord, ErrorRecord, decode_idlist, encode_ids
 from dataferry.server import ServerOptions, make_app
 from dataferry.server._samples import Outbox
-from test_server_kit import LABELS, BrokenStore, call, decode, make_samples, run, seed, self_signed, serve
+from test_server_kit import LABELS, BrokenStore, call, decode, make_samples, parse_metrics, run, seed, self_signed, serve
 
 BIN = {"Content-Type": "application/octet-stream"}
 
@@ -414,6 +415,61 @@ def test_tls_with_a_self_signed_certificate(tmp_path):
 
 
 # --- ops ----------------------------------------------------------------------------------------------
+def _scrape(app: web.Application) -> tuple[str, str]:
+    """(Content-Type, text) of one GET /metrics from ``app`` on loopback."""
+
+    async def go():
+        async with serve(app) as base, aiohttp.ClientSession() as s:
+            status, headers, body = await call(s, "GET", base + "/metrics", "/metrics")
+            assert status == 200
+            return headers["Content-Type"], body.decode()
+
+    return run(go())
+
+
+def test_metrics_parse_as_prometheus_text_with_process_metrics(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def make():
+        return await open_store(f"sqlite://{tmp_path / 's.db'}")
+
+    store = run(make())
+    try:
+        ctype, text = _scrape(make_app(store))
+    finally:
+        run(store.close())
+    # the text format Prometheus 2 and 3 both scrape without a fallback protocol
+    assert ctype == "text/plain; version=0.0.4; charset=utf-8"
+    families = {f.name: f.type for f in text_string_to_metric_families(text)}
+    assert families["dataferry_server_requests"] == "counter"
+    assert families["dataferry_server_store_latency_seconds"] == "histogram"
+    # the process's own health beside the service's: memory, CPU, fds, GC, the interpreter
+    for name in ("process_resident_memory_bytes", "process_cpu_seconds", "process_open_fds",
+                 "python_gc_collections", "python_info"):
+        assert name in families, f"/metrics has no {name}"
+    assert not [line for line in text.splitlines() if "_created" in line]  # no series but the documented ones
+
+
+def test_two_apps_in_one_process_count_apart(tmp_path):
+    import prometheus_client
+
+    samples = make_samples(4)
+
+    async def go():
+        async with await open_store(f"sqlite://{tmp_path / 's.db'}") as store:
+            await seed(store, "d", samples)
+            async with serve(make_app(store)) as one, serve(make_app(store)) as two, aiohttp.ClientSession() as s:
+                await _fetch_raw(s, one, "d", [x.id for x in samples])
+                await _fetch_raw(s, one, "d", [x.id for x in samples])
+                await _fetch_raw(s, two, "d", [x.id for x in samples[:1]])
+                return [(await call(s, "GET", base + "/metrics", "/metrics"))[2].decode() for base in (one, two)]
+
+    served = [float(re.search(r"^dataferry_server_samples_served_total (\S+)$", t, re.M).group(1)) for t in run(go())]
+    assert served == [8, 1]
+    global_names = {m.name for m in prometheus_client.REGISTRY.collect()}
+    assert not [n for n in global_names if n.startswith("dataferry")], "the server registered on the global registry"
+
+
 def test_readyz_and_metrics(tmp_path):
     samples = make_samples(10)
 
@@ -433,21 +489,17 @@ def test_readyz_and_metrics(tmp_path):
 
     status, headers, text = run(go())
     assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
-    metrics = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            metrics[name] = float(value)
+    metrics = parse_metrics(text)
     p = "dataferry_server_"
     assert metrics[p + "samples_served_total"] == 10
     assert metrics[p + "samples_not_found_total"] == 1
     assert metrics[p + "bytes_served_total"] >= sum(len(x.data) for x in samples)
-    assert metrics[p + 'requests_total{route="/v1/datasets/{name}/samples",method="POST",status="200"}'] == 1
-    assert metrics[p + 'requests_total{route="/v1/datasets/{name}",method="GET",status="400"}'] == 1
+    assert metrics[p + 'requests_total{method="POST",route="/v1/datasets/{name}/samples",status="200"}'] == 1
+    assert metrics[p + 'requests_total{method="GET",route="/v1/datasets/{name}",status="400"}'] == 1
     assert metrics[p + 'errors_total{error="bad_dataset_name"}'] == 1
     assert metrics[p + "requests_in_flight"] == 1  # this very request
     assert metrics[p + 'store_latency_seconds_count{op="fetch"}'] == 1
-    assert metrics[p + 'store_latency_seconds_bucket{op="fetch",le="+Inf"}'] == 1
+    assert metrics[p + 'store_latency_seconds_bucket{le="+Inf",op="fetch"}'] == 1
     assert p + 'store_latency_seconds_count{op="fetch_first"}' in metrics
 
 

@@ -49,7 +49,7 @@ from dataferry.client import Loader, Retry
 from dataferry.schema import open_store
 from dataferry.schema._wire import encode_ids
 from dataferry.server import ServerOptions, make_app
-from test_server_kit import SPEC, BrokenStore, decode, make_samples, seed, spec_document
+from test_server_kit import SPEC, BrokenStore, decode, make_samples, parse_metrics, seed, spec_document
 
 N_SAMPLES = 400
 SAMPLES = make_samples(N_SAMPLES, size=3000)
@@ -184,13 +184,7 @@ def request(method: str, path: str, *, headers: dict | None = None, body: bytes 
 def metrics(base: str, headers: dict | None = None) -> dict[str, float]:
     req = urllib.request.Request(base + "/metrics", headers=headers or {})
     with urllib.request.urlopen(req, timeout=10) as resp:
-        text = resp.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+        return parse_metrics(resp.read().decode())
 
 
 def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
@@ -264,7 +258,7 @@ def test_stalled_uploads_do_not_starve_a_loader(db):
                 s.close()
         m = metrics(srv.base)
         assert m[P + 'errors_total{error="body_timeout"}'] == n_stalls
-        assert m[P + 'requests_total{route="/v1/datasets/{name}/samples",method="POST",status="408"}'] == n_stalls
+        assert m[P + 'requests_total{method="POST",route="/v1/datasets/{name}/samples",status="408"}'] == n_stalls
 
 
 def test_a_request_holds_its_slot_at_most_hold_timeout(db):
@@ -346,7 +340,7 @@ def test_a_client_that_hangs_up_mid_upload_is_499_in_one_line(db, caplog):
             s.sendall(request("POST", "/v1/datasets/d/samples", close=False,
                               headers={"Content-Type": "application/octet-stream", "Content-Length": "800"}) + b"\x01" * 16)
             wait_for(lambda: metrics(srv.base)[P + "requests_in_flight"] >= 2, 5, "the upload to start")
-        key = P + 'requests_total{route="/v1/datasets/{name}/samples",method="POST",status="499"}'
+        key = P + 'requests_total{method="POST",route="/v1/datasets/{name}/samples",status="499"}'
         wait_for(lambda: metrics(srv.base).get(key) == 1, 5, "the abort to be counted")
         m = metrics(srv.base)
         assert m[P + 'errors_total{error="client_closed_request"}'] == 1

@@ -78,6 +78,20 @@ async def seed(store, dataset: str, samples: list[Sample], splits: dict[str, lis
         await store.put_split(dataset, name, IdList([s.id for s in sel], [s.label for s in sel]))
 
 
+def parse_metrics(text: str) -> dict[str, float]:
+    """A /metrics scrape, parsed by prometheus-client's own parser, as
+    ``{'name{label="value",...}': value}`` with the labels in name order
+    (``name`` alone for a series without labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
 async def decode(body: bytes, dataset: str) -> list:
     """The records of a complete batch fetch body (END/ERROR records included)."""
     reader = asyncio.StreamReader()
