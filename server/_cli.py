@@ -97,6 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from dataferry.schema import parse_store_url, read_token_file
+    from dataferry.schema._aio import new_event_loop
     from dataferry.schema._errors import ConfigError
 
     from ._app import make_app
@@ -124,7 +125,7 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"dataferry serve: listening on {scheme}://{shown}:{port}", flush=True)
     app = make_app(args.store, options)
     access_log = None if args.no_access_log else logging.getLogger("aiohttp.access")
-    loop = _new_loop()
+    loop = new_event_loop()  # uvloop when installed
     asyncio.set_event_loop(loop)
     try:
         loop.run_until_complete(_run(app, sock, tls, access_log, options.shutdown_grace))
@@ -154,16 +155,6 @@ async def _run(app, sock: socket.socket, tls, access_log: logging.Logger | None,
         await stop.wait()
     finally:
         await runner.cleanup()
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    import asyncio
-
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 def _close_loop(loop: asyncio.AbstractEventLoop) -> None:

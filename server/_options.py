@@ -4,15 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dataferry.schema._errors import ConfigError
-from dataferry.schema._tokens import read_token_file  # re-exported: one reader for the server and the client
+from dataferry.schema._errors import check as _check
+from dataferry.schema._tokens import read_token_file, valid_token  # read_token_file re-exported: one reader for both sides
 
 __all__ = ["ServerOptions", "read_token_file"]
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,13 +67,10 @@ class ServerOptions:
 
     def __post_init__(self) -> None:
         if self.token is not None:
-            tokens = (self.token,) if isinstance(self.token, str) else tuple(self.token)
+            tokens = tuple(self.token) if isinstance(self.token, (tuple, list)) else (self.token,)
             _check(bool(tokens), "token must not be an empty list")
             for t in tokens:
-                _check(
-                    isinstance(t, str) and bool(t) and t.isascii() and t.isprintable() and " " not in t,
-                    "token must be non-empty printable ASCII without spaces",
-                )
+                _check(valid_token(t), "token must be non-empty printable ASCII without spaces")
             object.__setattr__(self, "token", tokens[0] if len(tokens) == 1 else tokens)
         _check(self.max_ids >= 1, f"max_ids must be >= 1, not {self.max_ids}")
         _check(self.max_body_bytes >= 8 * self.max_ids, "max_body_bytes must hold max_ids binary ids (8 bytes each)")

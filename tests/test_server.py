@@ -23,7 +23,7 @@ from aiohttp import web
 
 from dataferry.client._http import HttpOptions, HttpSource, TokenRefused
 from dataferry.schema import DatasetNotFound, IdList, Sample, SampleNotFound, SplitNotFound, open_store
-from dataferry.schema._errors import StoreTimeout, StoreUnavailable
+from dataferry.schema._errors import ConfigError, StoreTimeout, StoreUnavailable
 from dataferry.schema._wire import FRAMES_TYPE, IDLIST_TYPE, EndRecord, ErrorRecord, decode_idlist, encode_ids
 from dataferry.server import ServerOptions, make_app
 from dataferry.server._samples import Outbox
@@ -330,6 +330,28 @@ def test_token_rotation_accepts_every_token_in_the_file(tmp_path):
     with pytest.raises(Exception, match="empty"):
         (tmp_path / "blank").write_text("# nothing\n\n")
         read_token_file(str(tmp_path / "blank"))
+
+
+@pytest.mark.parametrize("token", ["ok-token", "", "two words", "t\u00f6ken", "tab\tin", "nul\x00", 5, b"bytes"])
+def test_server_and_client_take_the_same_tokens(token):
+    """One rule for a bearer token on both sides: what the server accepts, the
+    client sends, and what one refuses the other does too (a ConfigError)."""
+
+    async def client_takes() -> bool:
+        try:
+            src = await HttpSource.open("http://127.0.0.1:9", token=token)
+        except ConfigError:
+            return False
+        await src.close()
+        return True
+
+    try:
+        ServerOptions(token=token)
+        server_takes = True
+    except ConfigError:
+        server_takes = False
+    assert server_takes == run(client_takes())
+    assert server_takes == (token == "ok-token")
 
 
 def test_token_auth(tmp_path):
