@@ -4,7 +4,7 @@
 per request, injects errors, hangs, dropped streams and stragglers with the
 probabilities in :class:`Faults`, deterministically for a seed. Tests import
 it as a plain module (``from faults import Faults, FaultySource``), like
-``oddfiles`` and ``test_server_kit``.
+``oddfiles`` and ``server_kit``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from dataferry.client import Loader
 from dataferry.client._http import HttpSource
 from dataferry.schema import DatasetNotFound, NotFound, SplitNotFound, open_store, parse_store_url
 from dataferry.server import ServerOptions, make_app
-from test_server_kit import make_samples, run, seed, serve
+from server_kit import make_samples, run, seed, serve
 
 TOKEN = "s3cret-token-value"
 

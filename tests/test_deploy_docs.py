@@ -31,7 +31,7 @@ def test_operations_lists_every_server_metric(tmp_path):
     import asyncio
 
     import aiohttp
-    from test_server_kit import call, serve
+    from server_kit import call, serve
 
     from dataferry.schema import open_store
     from dataferry.server import make_app

@@ -113,7 +113,7 @@ def _free_ports(n: int) -> list[int]:
 
 @needs_haproxy
 def test_haproxy_streams_from_both_replicas_and_fails_over(tmp_path):
-    from test_server_kit import make_samples, run, seed
+    from server_kit import make_samples, run, seed
 
     from dataferry.client import Hedge, HttpSource, Loader, Prefetch, Retry
     from dataferry.schema import open_store

@@ -21,7 +21,7 @@ import sys
 import aiohttp
 import pytest
 from _deploy_kit import STACKS, cli_args, compose_model, final_stage, haproxy_sections, haproxy_setting
-from test_server_kit import BrokenStore, run, serve
+from server_kit import BrokenStore, run, serve
 
 from dataferry.schema import open_store
 from dataferry.server import ServerOptions, make_app

@@ -22,7 +22,7 @@ from dataferry.schema import Sample, open_store
 from dataferry.schema._errors import ConfigError, StoreError, StoreTimeout, StoreUnavailable
 from dataferry.schema._wire import encode_end, encode_sample
 from dataferry.server import ServerOptions, make_app
-from test_server_kit import make_samples, run, seed, serve
+from server_kit import make_samples, run, seed, serve
 
 
 # --- a real server in a subprocess, killed and restarted ---------------------------------------------

@@ -19,7 +19,7 @@ from aiohttp import web
 from dataferry.client import Loader
 from dataferry.client._http import HttpSource, RequestRejected
 from dataferry.schema._errors import DataferryError, StoreUnavailable
-from test_server_kit import run, serve
+from server_kit import run, serve
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):

@@ -20,7 +20,7 @@ from dataferry.schema import DatasetInfo, IdList, Sample, SampleMeta, SampleReco
 from dataferry.schema._ddl import apply_schema
 from dataferry.schema._url import parse_store_url
 from test_http_source import ServerProcess
-from test_server_kit import make_samples, run, seed
+from server_kit import make_samples, run, seed
 
 BUDGET = 4 << 20  # Prefetch.max_bytes: the datasets below are >= 10x this
 

@@ -27,7 +27,7 @@ from dataferry.schema._errors import ConfigError, StoreTimeout, StoreUnavailable
 from dataferry.schema._wire import FRAMES_TYPE, IDLIST_TYPE, EndRecord, ErrorRecord, decode_idlist, encode_ids
 from dataferry.server import ServerOptions, make_app
 from dataferry.server._samples import Outbox
-from test_server_kit import LABELS, BrokenStore, call, decode, make_samples, parse_metrics, run, seed, self_signed, serve
+from server_kit import LABELS, BrokenStore, call, decode, make_samples, parse_metrics, run, seed, self_signed, serve
 
 BIN = {"Content-Type": "application/octet-stream"}
 
@@ -40,7 +40,7 @@ async def _fetch_raw(session, base, dataset, ids, **kw):
 def test_openapi_document_is_valid_and_names_every_route():
     from openapi_spec_validator import validate
 
-    from test_server_kit import spec_document
+    from server_kit import spec_document
 
     doc = spec_document()
     validate(doc)

@@ -22,7 +22,7 @@ from schemathesis.checks import positive_data_acceptance
 from dataferry.client._http import HttpSource
 from dataferry.schema import Sample, open_store
 from dataferry.server import ServerOptions, make_app
-from test_server_kit import SPEC_PATH, make_samples, seed, serve
+from server_kit import SPEC_PATH, make_samples, seed, serve
 
 TOKEN = "fuzz-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -49,7 +49,7 @@ from dataferry.client import Loader, Retry
 from dataferry.schema import open_store
 from dataferry.schema._wire import encode_ids
 from dataferry.server import ServerOptions, make_app
-from test_server_kit import SPEC, BrokenStore, decode, make_samples, parse_metrics, seed, spec_document
+from server_kit import SPEC, BrokenStore, decode, make_samples, parse_metrics, seed, spec_document
 
 N_SAMPLES = 400
 SAMPLES = make_samples(N_SAMPLES, size=3000)

@@ -18,7 +18,7 @@ from yarl import URL
 from dataferry.schema import open_store
 from dataferry.schema._wire import encode_ids
 from dataferry.server import ServerOptions, make_app
-from test_server_kit import SPEC, make_samples, seed, serve
+from server_kit import SPEC, make_samples, seed, serve
 
 TOKEN = "input-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
