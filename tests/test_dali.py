@@ -1,7 +1,8 @@
 """The DALI path on the CPU (CI has no GPU), held to the PyTorch path's checks.
 
 GPU-only tests run where DALI and torch both see a CUDA device; everywhere
-else ``bench/gpu_check.py`` is tested for saying so.
+else ``bench/gpu_check.py`` is tested for saying so (its PSNR check and
+``--e2e``: ``test_gpu_check.py``).
 """
 
 from __future__ import annotations
@@ -245,7 +246,7 @@ def test_gpu_check_says_when_there_is_no_gpu(capsys):
     assert "no usable GPU" in capsys.readouterr().err
     assert gpu_check.main(["--allow-cpu", "--images", "8", "--batch", "8", "--passes", "1", "--runs", "1"]) == 0
     out = capsys.readouterr().out
-    assert "NO GPU" in out and "images/s" in out and "decoder vs Pillow" in out
+    assert "NO GPU" in out and "images/s" in out and "decoder vs Pillow on 8 JPEGs: PSNR min inf dB" in out
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU visible to DALI and torch")

@@ -1,0 +1,368 @@
+"""``gpu_check --e2e``: what a training job sees, from a data service across a WAN into GPU tensors.
+
+    python -m dataferry.bench.gpu_check --e2e [--images 4096] [--rtts 0,100,200] [--epochs 3]
+                                             [--batch 256] [--out DIR] [--allow-cpu]
+
+1. make ``--images`` synthetic ImageNet-like JPEGs (~110 KB) and ingest them
+   into a SQLite store in a temp folder;
+2. check DALI's decoder against Pillow (PSNR, ``gpu_check.MIN_PSNR``) and
+   measure DALI's **decode ceiling** from memory: the same JPEGs through the
+   same graph (mixed decode of the crop window, resize, flip, normalize:
+   ``TrainTransform(224)``) with no loader, median of ``--runs``;
+3. start ``dataferry serve`` on the store, and per RTT a ``dataferry
+   latency-proxy`` in front of it (its own process, delay RTT/2 each way, the
+   TCP window of ``LinkOptions``);
+4. per RTT: ``Loader`` over HTTP through the proxy → ``DaliIterator`` →
+   float32 NCHW tensors on ``cuda:N``, for ``--epochs`` epochs, checking that
+   each epoch delivers every image once.
+
+Per RTT it prints images/s **total** (every image over the wall time from
+creating the Loader to the last batch: the headline, what a job sees),
+the **first epoch** (from creating the Loader) and **steady** (the epochs
+after the first; the engine fetches an epoch ahead, so the first pays the
+start), the time to the first batch (the DALI pipeline's build included),
+the client's CPU per image (this process: the loader's engine, DALI's
+threads, the training loop; the proxy and server are processes of their
+own) and the server's (its utime + stime from ``/proc``), both per image
+delivered from creating the loader to the last batch (so any look-ahead into
+the epoch after the last is in), and steady / ceiling.
+
+Without a GPU, ``--allow-cpu`` runs the same on DALI's CPU path and labels
+every row "cpu (not GPU numbers)".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+from ._common import announced, data_server, table
+from .gpu_check import MIN_PSNR, _median, check_decoder
+
+__all__ = ["E2EOptions", "RttResult", "run_e2e"]
+
+DATASET = "gpu-e2e"
+HEADER = ["rtt ms", "device", "images/s total", "images/s first epoch", "images/s steady", "steady / ceiling",
+          "first batch s", "client CPU us/image", "server CPU us/image"]
+
+
+@dataclass(frozen=True, slots=True)
+class E2EOptions:
+    images: int = 4096
+    rtts_ms: tuple[float, ...] = (0.0, 100.0, 200.0)
+    epochs: int = 3
+    batch: int = 256
+    runs: int = 3
+    device_id: int = 0
+    hw_decoder_load: float | None = None
+    min_psnr: float = MIN_PSNR
+    out: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.images < 1 or self.batch < 1 or self.epochs < 1 or self.runs < 1:
+            raise ValueError("--images, --batch, --epochs and --runs must be >= 1")
+        if not self.rtts_ms or any(not (math.isfinite(r) and r >= 0) for r in self.rtts_ms):
+            raise ValueError(f"--rtts must be round trips in ms >= 0, not {self.rtts_ms!r}")
+
+    @classmethod
+    def from_args(cls, args) -> E2EOptions:
+        try:
+            rtts = tuple(float(r) for r in args.rtts.split(",") if r.strip())
+        except ValueError:
+            raise ValueError(f"--rtts must be milliseconds separated by commas, e.g. 0,100,200, not {args.rtts!r}") \
+                from None
+        return cls(images=args.images or 4096, rtts_ms=rtts, epochs=args.epochs, batch=args.batch or 256,
+                   runs=args.runs, device_id=args.device_id, hw_decoder_load=args.hw_decoder_load,
+                   min_psnr=args.min_psnr, out=args.out)
+
+
+@dataclass(frozen=True, slots=True)
+class RttResult:
+    rtt_ms: float
+    device: str
+    images: int  # delivered, all epochs
+    epoch_images: tuple[int, ...]
+    seconds_total: float  # from creating the Loader to the last batch
+    seconds_first_epoch: float  # from creating the Loader to the first epoch's last batch
+    first_batch_s: float
+    client_cpu_s: float
+    server_cpu_s: float
+    ceiling: float  # images/s, DALI from memory
+    loader: dict  # Loader.stats() at the last batch
+
+    @property
+    def total(self) -> float:
+        return self.images / self.seconds_total
+
+    @property
+    def first_epoch(self) -> float:
+        return self.epoch_images[0] / self.seconds_first_epoch
+
+    @property
+    def steady(self) -> float | None:
+        """Images/s over the epochs after the first (None with one epoch)."""
+        rest = self.seconds_total - self.seconds_first_epoch
+        return sum(self.epoch_images[1:]) / rest if len(self.epoch_images) > 1 and rest > 0 else None
+
+    @property
+    def steady_ratio(self) -> float | None:
+        return None if self.steady is None else self.steady / self.ceiling
+
+    def row(self) -> list[str]:
+        steady, ratio = self.steady, self.steady_ratio
+        return [f"{self.rtt_ms:g}", self.device, f"{self.total:,.0f}", f"{self.first_epoch:,.0f}",
+                "-" if steady is None else f"{steady:,.0f}", "-" if ratio is None else f"{ratio:.2f}",
+                f"{self.first_batch_s:.2f}", f"{self.client_cpu_s / self.images * 1e6:,.0f}",
+                f"{self.server_cpu_s / self.images * 1e6:,.0f}"]
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(images_per_s_total=self.total, images_per_s_first_epoch=self.first_epoch,
+                 images_per_s_steady=self.steady, steady_over_ceiling=self.steady_ratio,
+                 client_cpu_us_per_image=self.client_cpu_s / self.images * 1e6,
+                 server_cpu_us_per_image=self.server_cpu_s / self.images * 1e6)
+        return d
+
+
+# --- the store and the processes ---------------------------------------------------------------------
+def _make_store(tmp: str, images: int) -> tuple[str, list[bytes]]:
+    """A SQLite store of ``images`` synthetic JPEGs; returns its URL and the JPEGs (sorted by path)."""
+    from dataferry.schema import IngestOptions, ingest, make_synthetic, open_store
+
+    folder = os.path.join(tmp, "images")
+    make_synthetic(folder, images, classes=10, seed=0)
+    url = f"sqlite://{tmp}/gpu-e2e.db"
+
+    async def fill():
+        async with await open_store(url) as store:
+            return await ingest(store, folder, DATASET, IngestOptions(), progress=False)
+
+    report = asyncio.run(fill())
+    if report.ingested != images:
+        raise RuntimeError(f"ingest into {url} took {report.ingested} of {images} images "
+                           f"({len(report.rejected)} rejected)")
+    paths = sorted(os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs)
+    blobs = []
+    for p in paths:
+        with open(p, "rb") as fh:
+            blobs.append(fh.read())
+    return url, blobs
+
+
+def _children() -> set[int]:
+    """Pids of this process's children (Linux /proc)."""
+    me, out = os.getpid(), set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone, or not ours to read
+            if ppid == me:
+                out.add(int(name))
+    return out
+
+
+@contextlib.contextmanager
+def _server(store_url: str):
+    """``dataferry serve`` on ``store_url``: yields ``(url, pid)``."""
+    before = _children()
+    with data_server(store_url) as (host, port):
+        new = [p for p in _children() - before if _cmdline(p).find("dataferry.server") >= 0]
+        if len(new) != 1:
+            raise RuntimeError(f"cannot tell the data server's process among this process's new children {new}")
+        yield (host, port), new[0]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _proxy(upstream: tuple[str, int], rtt_ms: float):
+    """A ``dataferry latency-proxy`` process, delay RTT/2 each way: yields ``(host, port)``."""
+    cmd = [sys.executable, "-m", "dataferry.schema._cli", "latency-proxy",
+           "--upstream", f"{upstream[0]}:{upstream[1]}", "--delay", f"{rtt_ms / 2:g}ms"]
+    return announced(cmd, "the latency proxy")
+
+
+# --- the measurements ----------------------------------------------------------------------------
+def decode_ceiling(blobs: list[bytes], device: str, device_id: int | None, options, batch: int, runs: int) -> float:
+    """Images/s of DALI's graph (decode of the crop window, resize, flip, normalize: ``TrainTransform(224)``)
+    from memory, no loader: the feed (crop windows drawn as the iterator draws them) is made beforehand."""
+    import numpy as np
+
+    from dataferry.client import Batch, TrainTransform
+    from dataferry.client._dali import build_pipeline, feed_arrays
+    from dataferry.client._imagebatch import prepare
+
+    transform = TrainTransform(224)
+    arrays = [np.frombuffer(b, np.uint8) for b in blobs]
+    feeds = []
+    for k in range(0, len(arrays), batch):
+        data = arrays[k : k + batch]
+        ids = np.arange(k, k + len(data), dtype=np.int64)
+        b = Batch(ids, np.zeros(len(data), np.int32), data, None, 0, ids.copy(), sum(map(len, data)))
+        feeds.append(feed_arrays(prepare(b, transform, "none", DATASET, 0), "none"))
+    state = {"i": 0}
+
+    def source():
+        if state["i"] == len(feeds):
+            raise StopIteration
+        state["i"] += 1
+        return feeds[state["i"] - 1]
+
+    pipe = build_pipeline(source, transform, targets="none", batch_size=batch, device=device, device_id=device_id,
+                          options=options)
+    pipe.build()
+    sync = _synchronizer(device, device_id)
+
+    def run():
+        state["i"] = 0
+        try:
+            while True:
+                pipe.run()
+        except StopIteration:
+            pipe.reset()
+        sync()
+
+    return len(arrays) / _median(run, runs)
+
+
+def _synchronizer(device: str, device_id: int | None):
+    if device != "gpu":
+        return lambda: None
+    import torch
+
+    return lambda: torch.cuda.synchronize(device_id)
+
+
+def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: str, device_id: int | None,
+                options, opts: E2EOptions, server_pid: int, ceiling: float) -> RttResult:
+    """``opts.epochs`` epochs of Loader (HTTP, through the proxy) → DaliIterator → tensors."""
+    from dataferry.client import DaliIterator, Loader, TrainTransform
+
+    from .load_server import cpu_s
+
+    sync = _synchronizer(device, device_id)
+    counts, ends = [], []
+    first = None
+    c0, s0 = time.process_time(), cpu_s(server_pid)
+    t0 = time.perf_counter()
+    with Loader(link_url, DATASET, batch_size=opts.batch) as loader, \
+            DaliIterator(loader, TrainTransform(224), options=options) as it:
+        for epoch in range(opts.epochs):
+            seen = set()
+            n = 0
+            for b in it:
+                if first is None:
+                    sync()
+                    first = time.perf_counter() - t0
+                n += len(b)
+                seen.update(b.ids.tolist())
+            sync()
+            ends.append(time.perf_counter())
+            if n != images or len(seen) != images:
+                raise RuntimeError(f"at {rtt_ms:g} ms RTT, epoch {epoch} delivered {n} images ({len(seen)} distinct) "
+                                   f"of {images}")
+            counts.append(n)
+        client_cpu, server_cpu = time.process_time() - c0, cpu_s(server_pid) - s0
+        stats = loader.stats().as_dict()
+    return RttResult(rtt_ms, label, sum(counts), tuple(counts), ends[-1] - t0, ends[0] - t0, first,
+                     client_cpu, server_cpu, ceiling, stats)
+
+
+def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, command: str = "") -> int:
+    """Run it all; print the table (and write it under ``opts.out``). Exit status: 0, or 1 if the decoder disagrees."""
+    from dataferry.client import DaliOptions
+
+    from ._latency_proxy import LinkOptions
+
+    if device == "cpu":
+        label = "cpu (not GPU numbers)"
+    kw = {} if opts.hw_decoder_load is None else {"hw_decoder_load": opts.hw_decoder_load}
+    options = DaliOptions(device=device, device_id=device_id, **kw)
+    lines = []
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    with tempfile.TemporaryDirectory(prefix="dataferry-gpu-e2e-") as tmp:
+        t = time.perf_counter()
+        store_url, blobs = _make_store(tmp, opts.images)
+        mean_kb = statistics.fmean(map(len, blobs)) / 1e3
+        say(f"{len(blobs)} synthetic JPEGs (mean {mean_kb:.0f} KB) ingested into {store_url} "
+            f"in {time.perf_counter() - t:.1f} s; batch {opts.batch}, {opts.epochs} epoch(s) per RTT; "
+            f"DALI on {label}" + (f", hw_decoder_load {options.hw_decoder_load:g}" if device == "gpu" else ""))
+        agreed = check_decoder(blobs, device, device_id, opts.min_psnr)
+        lines.append(f"decoder vs Pillow: {agreed.describe()}")
+        ceiling = decode_ceiling(blobs, device, device_id, options, opts.batch, opts.runs)
+        say(f"decode ceiling from memory ({label}; decode + TrainTransform(224), no loader, "
+            f"median of {opts.runs}): {ceiling:,.0f} images/s")
+        results = []
+        with _server(store_url) as ((host, port), pid):
+            for rtt in opts.rtts_ms:
+                with _proxy((host, port), rtt) as (phost, pport):
+                    link = LinkOptions(delay=rtt / 2000)
+                    print(f"  {rtt:g} ms RTT: http://{phost}:{pport} ({link.describe()}) -> http://{host}:{port} ...",
+                          flush=True)
+                    results.append(measure_rtt(f"http://{phost}:{pport}", len(blobs), rtt, label, device, device_id,
+                                               options, opts, pid, ceiling))
+    say("images/s total: every image over the wall time from creating the Loader to the last batch "
+        "(the headline); first epoch: from creating the Loader; steady: the epochs after the first; "
+        "CPU: per image delivered")
+    md = table(HEADER, [r.row() for r in results])
+    print(md)
+    for r in results:
+        s = r.loader
+        print(f"  {r.rtt_ms:g} ms: loader window {s['window']} requests, request latency "
+              f"{(s['request_latency'] or 0) * 1e3:.0f} ms (min {(s['min_latency'] or 0) * 1e3:.0f}), "
+              f"DALI's feeder waited on the loader {s['wait_fraction']:.0%} of the time, "
+              f"peak {s['peak_bytes'] / 2**20:.0f} MiB, retries {s['retries']}; received "
+              f"{s['received'] / max(s['bytes'], 1) * s['samples']:,.0f} images for {s['samples']:,} delivered "
+              "(the rest: look-ahead past the last epoch)")
+    if opts.out:
+        _write(opts, command, lines, md, results, ceiling, agreed, label)
+    return 0 if agreed.ok else 1
+
+
+def _finite(value):
+    """JSON has no inf or nan: None instead (an identical decode's PSNR is inf)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _write(opts: E2EOptions, command: str, lines: list[str], md: str, results: list[RttResult], ceiling: float,
+           agreed, label: str) -> None:
+    os.makedirs(opts.out, exist_ok=True)
+    doc = {"command": command, "device": label,
+           "options": asdict(opts), "decode_ceiling_images_per_s": ceiling,
+           "psnr": {"min": agreed.min, "median": agreed.median, "threshold": agreed.threshold, "ok": agreed.ok,
+                    "per_image": agreed.psnrs, "mean_abs_diff": agreed.mean_abs_diff},
+           "rows": [r.as_dict() for r in results]}
+    files = {"gpu_e2e.json": json.dumps(_finite(doc), indent=2, allow_nan=False) + "\n",
+             "gpu_e2e.md": "\n\n".join(["# gpu_check --e2e", f"`{command}`", "\n".join(lines), md]) + "\n"}
+    for name, text in files.items():
+        path = os.path.join(opts.out, name)
+        with open(path + ".tmp", "w") as fh:  # nothing half-written: replaced whole
+            fh.write(text)
+        os.replace(path + ".tmp", path)
+    print(f"wrote {', '.join(os.path.join(opts.out, n) for n in files)}")
