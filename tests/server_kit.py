@@ -1,10 +1,13 @@
 """Helpers for the data service tests (no tests here).
 
-The real app on loopback (:func:`serve`), test data in a real store
-(:func:`seed`), a response checker against ``server/openapi.yaml``
-(:class:`Spec`), a frame decoder for raw bodies, a self-signed certificate, and
-:class:`BrokenStore`, a wrapper at the store seam (which we own) that fails or
-hangs on demand.
+The real app on loopback: :func:`serve` in the caller's event loop, and
+:func:`live_server` in a background loop thread for blocking clients (a
+Loader, urllib, raw sockets); both run it under the server's own ``Runner``,
+as ``dataferry serve`` does. Test data in a real store (:func:`seed`,
+:func:`seeded_db`), a response checker against ``server/openapi.yaml``
+(:class:`Spec`), a frame decoder for raw bodies, a metrics parser, a
+self-signed certificate, and :class:`BrokenStore`, a wrapper at the store seam
+(which we own) that fails or hangs on demand.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import copy
 import datetime as dt
 import functools
 import ipaddress
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -24,9 +29,11 @@ import yaml
 from aiohttp import web
 from openapi_schema_validator import OAS30Validator
 
-from dataferry.schema import DatasetInfo, IdList, Sample, SampleMeta, SampleRecord
+from dataferry.schema import DatasetInfo, IdList, Sample, SampleMeta, SampleRecord, open_store
+from dataferry.schema._aio import LoopThread
 from dataferry.schema._errors import StoreUnavailable
 from dataferry.schema._wire import read_frames
+from dataferry.server._protocol import Runner
 
 SPEC_PATH = Path(__file__).resolve().parent.parent / "server" / "openapi.yaml"
 
@@ -38,17 +45,62 @@ def run(coro):
 
 
 @contextlib.asynccontextmanager
-async def serve(app: web.Application, *, ssl_context=None, host: str = "127.0.0.1") -> AsyncIterator[str]:
-    """Run ``app`` on a free loopback port; yield its base URL."""
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
-    await runner.setup()
+async def serve(
+    app: web.Application, *, ssl_context=None, host: str = "127.0.0.1", runner: type[web.AppRunner] = Runner,
+    access_log: logging.Logger | None = None,
+) -> AsyncIterator[str]:
+    """Run ``app`` on a free loopback port; yield its base URL.
+
+    ``runner`` is the server's own ``Runner`` (JSON answers to malformed HTTP,
+    as under ``dataferry serve``); ``web.AppRunner`` embeds it the plain way."""
+    run = runner(app, access_log=access_log, shutdown_timeout=1.0)
+    await run.setup()
     try:
-        site = web.TCPSite(runner, host, 0, ssl_context=ssl_context)
+        site = web.TCPSite(run, host, 0, ssl_context=ssl_context, backlog=1024)
         await site.start()
-        port = runner.addresses[0][1]
+        port = run.addresses[0][1]
         yield f"{'https' if ssl_context else 'http'}://{'localhost' if ssl_context else host}:{port}"
     finally:
-        await runner.cleanup()
+        await run.cleanup()
+
+
+@dataclass(frozen=True)
+class Live:
+    """A server running in a background loop thread."""
+
+    base: str
+    port: int
+    app: web.Application
+    #: the server's loop thread: ``loop.call(coro)`` runs a coroutine there
+    loop: LoopThread
+
+
+@contextlib.contextmanager
+def live_server(
+    build: Callable[[], web.Application | Awaitable[web.Application]], *, runner: type[web.AppRunner] = Runner,
+    access_log: logging.Logger | None = None,
+) -> Iterator[Live]:
+    """The app that ``build()`` makes, built and served on loopback by an event
+    loop in a background thread (``schema._aio.LoopThread``), so the caller's
+    thread is free to block (a Loader, urllib, raw sockets). ``build`` runs in
+    that loop; ``serve`` runs the app; both end with the block."""
+    loop = LoopThread("test-server")
+    stack = contextlib.AsyncExitStack()
+
+    async def start() -> Live:
+        app = build()
+        if not isinstance(app, web.Application):
+            app = await app
+        base = await stack.enter_async_context(serve(app, runner=runner, access_log=access_log))
+        return Live(base, int(base.rsplit(":", 1)[1]), app, loop)
+
+    try:
+        yield loop.call(start(), timeout=30)
+    finally:
+        try:
+            loop.call(stack.aclose(), timeout=30)
+        finally:
+            loop.stop()
 
 
 def make_samples(n: int, *, size: int = 2000, seed: int = 0) -> list[Sample]:
@@ -62,6 +114,18 @@ def make_samples(n: int, *, size: int = 2000, seed: int = 0) -> list[Sample]:
         target = (None, b"", bytes(rng.integers(0, 256, 5 + k, dtype=np.uint8)))[k % 3]
         out.append(Sample(int(i), k % len(LABELS), data, target))
     return out
+
+
+def seeded_db(path: Path, dataset: str, samples: list[Sample], splits: dict[str, list[int]] | None = None) -> str:
+    """A SQLite store at ``path`` holding ``dataset`` (see :func:`seed`); its URL."""
+    url = f"sqlite://{path}"
+
+    async def go() -> None:
+        async with await open_store(url) as store:
+            await seed(store, dataset, samples, splits)
+
+    run(go())
+    return url
 
 
 async def seed(store, dataset: str, samples: list[Sample], splits: dict[str, list[int]] | None = None) -> None:

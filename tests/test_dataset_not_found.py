@@ -6,11 +6,8 @@ data service's URL), from every catalog call and from a Loader, never a
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import pickle
-import threading
-from collections.abc import Iterator
 
 import pytest
 
@@ -18,7 +15,7 @@ from dataferry.client import Loader
 from dataferry.client._http import HttpSource
 from dataferry.schema import DatasetNotFound, NotFound, SplitNotFound, open_store, parse_store_url
 from dataferry.server import ServerOptions, make_app
-from server_kit import make_samples, run, seed, serve
+from server_kit import live_server, make_samples, run, seed
 
 TOKEN = "s3cret-token-value"
 
@@ -41,30 +38,6 @@ def _store_named(kind: str, store_url: str, base: str | None) -> str:
     return f"{','.join(opts.hosts)}:{opts.port}/{opts.keyspace}"
 
 
-@contextlib.contextmanager
-def threaded_service(store_url: str) -> Iterator[str]:
-    """The real app over ``store_url`` on loopback, in its own thread and loop
-    (a Loader blocks the caller's thread), with a token."""
-    loop = asyncio.new_event_loop()
-    started: asyncio.Future = loop.create_future()
-    stop = asyncio.Event()
-
-    async def main() -> None:
-        async with await open_store(store_url, create=False) as store:
-            async with serve(make_app(store, ServerOptions(token=TOKEN))) as url:
-                started.set_result(url)
-                await stop.wait()
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    try:
-        yield asyncio.run_coroutine_threadsafe(asyncio.wait_for(asyncio.shield(started), 10), loop).result(15)
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(10)
-        loop.close()
-
-
 async def _drain(agen) -> list:
     return [r async for r in agen]
 
@@ -79,7 +52,9 @@ def test_an_unknown_dataset_is_dataset_not_found_on_every_path(path, dataset_nam
 
     run(prepare())
     with contextlib.ExitStack() as stack:
-        base = stack.enter_context(threaded_service(store_url)) if kind == "http" else None
+        base = None
+        if kind == "http":  # the real app over the same store, in a loop thread (a Loader blocks this one)
+            base = stack.enter_context(live_server(lambda: make_app(store_url, ServerOptions(token=TOKEN)))).base
         where = _store_named(kind, store_url, base)
 
         def check(exc: BaseException) -> None:

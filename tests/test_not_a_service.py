@@ -6,7 +6,6 @@ the HTML page it got.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import http.server
@@ -19,7 +18,7 @@ from aiohttp import web
 from dataferry.client import Loader
 from dataferry.client._http import HttpSource, RequestRejected
 from dataferry.schema._errors import DataferryError, StoreUnavailable
-from server_kit import run, serve
+from server_kit import live_server, run, serve
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):
@@ -55,28 +54,6 @@ def html_app() -> web.Application:
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", page)
     return app
-
-
-@contextlib.contextmanager
-def threaded(app: web.Application) -> Iterator[str]:
-    """``app`` on loopback in its own thread and event loop (the Loader blocks this thread)."""
-    loop = asyncio.new_event_loop()
-    started: asyncio.Future = loop.create_future()
-    stop = asyncio.Event()
-
-    async def main() -> None:
-        async with serve(app) as url:
-            started.set_result(url)
-            await stop.wait()
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    try:
-        yield asyncio.run_coroutine_threadsafe(asyncio.wait_for(asyncio.shield(started), 10), loop).result(15)
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(10)
-        loop.close()
 
 
 def _one_line(exc: BaseException, url: str, status: str, ctype: str, *, not_a_service: bool = True) -> str:
@@ -122,7 +99,9 @@ def test_a_static_file_server_answering_html_404(tmp_path):
 
 
 def test_a_web_app_answering_html_200():
-    with threaded(html_app()) as url:
+    # a plain aiohttp app (web.AppRunner), in a loop thread: the Loader blocks this one
+    with live_server(html_app, runner=web.AppRunner) as srv:
+        url = srv.base
         errors = run(_each_call(url))
         for exc in errors:
             assert isinstance(exc, RequestRejected) and exc.status == 200
@@ -146,7 +125,7 @@ def test_a_gateway_error_page_stays_retryable():
     app.router.add_get("/{tail:.*}", bad_gateway)
 
     async def go():
-        async with serve(app) as url, await HttpSource.open(url) as src:
+        async with serve(app, runner=web.AppRunner) as url, await HttpSource.open(url) as src:
             with pytest.raises(StoreUnavailable) as info:
                 await src.read_split("d", "all")
             _one_line(info.value, url, "HTTP 502", "text/html", not_a_service=False)

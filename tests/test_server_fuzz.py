@@ -10,7 +10,6 @@ healthy and still serves a real batch fetch.
 from __future__ import annotations
 
 import asyncio
-import threading
 import urllib.request
 
 import hypothesis
@@ -20,9 +19,9 @@ from schemathesis import GenerationMode
 from schemathesis.checks import positive_data_acceptance
 
 from dataferry.client._http import HttpSource
-from dataferry.schema import Sample, open_store
+from dataferry.schema import Sample
 from dataferry.server import ServerOptions, make_app
-from server_kit import SPEC_PATH, make_samples, seed, serve
+from server_kit import SPEC_PATH, live_server, make_samples, seeded_db
 
 TOKEN = "fuzz-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -37,27 +36,10 @@ schema.config.generation.update(
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory):
-    """Base URL of one server for the module, run by a background event loop."""
-    db = tmp_path_factory.mktemp("fuzz") / "s.db"
-    loop = asyncio.new_event_loop()
-    ready, box = threading.Event(), {}
-    stop = asyncio.Event()
-
-    async def main():
-        async with await open_store(f"sqlite://{db}") as store:
-            await seed(store, "imagenet", SAMPLES, {"train": [0, 1, 2]})
-            async with serve(make_app(store, ServerOptions(token=TOKEN))) as base:
-                box["base"] = base
-                ready.set()
-                await stop.wait()
-
-    thread = threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    yield box["base"]
-    loop.call_soon_threadsafe(stop.set)
-    thread.join(30)
-    loop.close()
+    """Base URL of one server for the module, in a background loop thread."""
+    url = seeded_db(tmp_path_factory.mktemp("fuzz") / "s.db", "imagenet", SAMPLES, {"train": [0, 1, 2]})
+    with live_server(lambda: make_app(url, ServerOptions(token=TOKEN))) as srv:
+        yield srv.base
 
 
 @schema.parametrize()

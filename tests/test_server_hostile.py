@@ -33,12 +33,10 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import aiohttp
 import pytest
@@ -49,18 +47,13 @@ from dataferry.client import Loader, Retry
 from dataferry.schema import open_store
 from dataferry.schema._wire import encode_ids
 from dataferry.server import ServerOptions, make_app
-from server_kit import SPEC, BrokenStore, decode, make_samples, parse_metrics, seed, spec_document
+from dataferry.server._protocol import Runner
+from server_kit import SPEC, BrokenStore, Live, decode, live_server, make_samples, parse_metrics, seed, spec_document
 
 N_SAMPLES = 400
 SAMPLES = make_samples(N_SAMPLES, size=3000)
 IDS = [s.id for s in SAMPLES]
 TOKEN = "Zq7hK2mP9xW4vR8sTb3N"
-
-
-def _runner_class():
-    from dataferry.server._protocol import Runner
-
-    return Runner
 
 
 @pytest.fixture(scope="module")
@@ -75,50 +68,25 @@ def db(tmp_path_factory) -> str:
     return str(path)
 
 
-@dataclass
-class Served:
-    base: str
-    port: int
-    app: web.Application
-
-
 @contextlib.contextmanager
 def served(db: str, options: ServerOptions = ServerOptions(), *, wrap: Callable = lambda s: s,
-           runner: type | None = None, access_log: logging.Logger | None = None) -> Iterator[Served]:
-    """The real app over the SQLite store ``db`` on a free loopback port, served
-    from a background thread (its own event loop) so blocking clients can run here."""
-    runner_cls = runner or _runner_class()
-    loop = asyncio.new_event_loop()
-    ready, box = threading.Event(), {}
-    stop = asyncio.Event()
+           runner: type[web.AppRunner] = Runner, access_log: logging.Logger | None = None) -> Iterator[Live]:
+    """The real app over the SQLite store ``db`` (``wrap``-ped: a BrokenStore)
+    on a free loopback port, in a background loop thread so blocking clients
+    can run here."""
 
-    async def main():
-        try:
-            async with await open_store(f"sqlite://{db}") as store:
-                app = make_app(wrap(store), options)
-                run = runner_cls(app, access_log=access_log, shutdown_timeout=1.0)
-                await run.setup()
-                try:
-                    site = web.TCPSite(run, "127.0.0.1", 0, backlog=1024)
-                    await site.start()
-                    port = run.addresses[0][1]
-                    box["served"] = Served(f"http://127.0.0.1:{port}", port, app)
-                    ready.set()
-                    await stop.wait()
-                finally:
-                    await run.cleanup()
-        finally:
-            ready.set()
+    async def build() -> web.Application:
+        store = wrap(await open_store(f"sqlite://{db}"))
+        app = make_app(store, options)
 
-    thread = threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True)
-    thread.start()
-    assert ready.wait(30) and "served" in box, "the server did not start"
-    try:
-        yield box["served"]
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(30)
-        loop.close()
+        async def close_store(_app: web.Application) -> None:
+            await store.close()  # make_app leaves an open store to its caller
+
+        app.on_cleanup.append(close_store)
+        return app
+
+    with live_server(build, runner=runner, access_log=access_log) as srv:
+        yield srv
 
 
 # --- raw HTTP ------------------------------------------------------------------------------------

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import aiohttp
 import pytest
 from yarl import URL
 
-from dataferry.schema import open_store
 from dataferry.schema._wire import encode_ids
 from dataferry.server import ServerOptions, make_app
-from server_kit import SPEC, make_samples, seed, serve
+from server_kit import SPEC, live_server, make_samples, seeded_db
 
 TOKEN = "input-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -30,29 +28,11 @@ MAX_IDS = 64
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """``(base_url, loop)``: one server in a background thread for the module."""
-    db = tmp_path_factory.mktemp("input") / "s.db"
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    stop = asyncio.Event()
-    box = {}
-
-    async def main():
-        async with await open_store(f"sqlite://{db}") as store:
-            await seed(store, "d", make_samples(5))
-            opts = ServerOptions(token=TOKEN, max_ids=MAX_IDS, max_body_bytes=4096)
-            async with serve(make_app(store, opts)) as base:
-                box["base"] = base
-                ready.set()
-                await stop.wait()
-
-    thread = threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    yield box["base"]
-    loop.call_soon_threadsafe(stop.set)
-    thread.join(30)
-    loop.close()
+    """The base URL of one server for the module, in a background loop thread."""
+    url = seeded_db(tmp_path_factory.mktemp("input") / "s.db", "d", make_samples(5))
+    opts = ServerOptions(token=TOKEN, max_ids=MAX_IDS, max_body_bytes=4096)
+    with live_server(lambda: make_app(url, opts)) as srv:
+        yield srv.base
 
 
 def request(base: str, method: str, path: str, *, template: str | None = None, **kw) -> tuple[int, dict, bytes]:
@@ -236,3 +216,20 @@ def test_bearer_scheme_is_case_insensitive(server):
     status, _, _ = request(server, "GET", "/v1/datasets", template="/v1/datasets",
                            headers={"Authorization": f"bearer {TOKEN}"})
     assert status == 200
+
+
+def test_malformed_http_is_answered_json_as_under_dataferry_serve(server):
+    """The kit serves the app with the server's own Runner, so a request
+    aiohttp cannot parse gets the JSON error body here as in production."""
+    import socket
+
+    port = int(server.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nBad Header : 1\r\n\r\n")
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"400", head
+    assert b"content-type: application/json" in head.lower(), head
+    assert_json_4xx(400, body)
