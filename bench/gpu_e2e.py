@@ -21,11 +21,12 @@ creating the Loader to the last batch: the headline, what a job sees),
 the **first epoch** (from creating the Loader) and **steady** (the epochs
 after the first; the engine fetches an epoch ahead, so the first pays the
 start), the time to the first batch (the DALI pipeline's build included),
-the client's CPU per image (this process: the loader's engine, DALI's
-threads, the training loop; the proxy and server are processes of their
-own) and the server's (its utime + stime from ``/proc``), both per image
-delivered from creating the loader to the last batch (so any look-ahead into
-the epoch after the last is in), and steady / ceiling.
+the client's CPU per image delivered (this process, from creating the
+Loader to the last batch: the loader's engine, DALI's threads, the training
+loop; the proxy and server are processes of their own), the server's CPU
+(its utime + stime from ``/proc``) per image it served (the loader fetches
+ahead past the last epoch: up to half of ``Prefetch.max_bytes``, more than
+a short run delivers), and steady / ceiling.
 
 Without a GPU, ``--allow-cpu`` runs the same on DALI's CPU path and labels
 every row "cpu (not GPU numbers)".
@@ -51,7 +52,7 @@ __all__ = ["E2EOptions", "RttResult", "run_e2e"]
 
 DATASET = "gpu-e2e"
 HEADER = ["rtt ms", "device", "images/s total", "images/s first epoch", "images/s steady", "steady / ceiling",
-          "first batch s", "client CPU us/image", "server CPU us/image"]
+          "first batch s", "client CPU us/image", "server CPU us/image served"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +114,12 @@ class RttResult:
         return sum(self.epoch_images[1:]) / rest if len(self.epoch_images) > 1 and rest > 0 else None
 
     @property
+    def served(self) -> float:
+        """Images the server sent this loader (received bytes over the mean delivered sample)."""
+        s = self.loader
+        return s["received"] / max(s["bytes"], 1) * s["samples"]
+
+    @property
     def steady_ratio(self) -> float | None:
         return None if self.steady is None else self.steady / self.ceiling
 
@@ -121,14 +128,15 @@ class RttResult:
         return [f"{self.rtt_ms:g}", self.device, f"{self.total:,.0f}", f"{self.first_epoch:,.0f}",
                 "-" if steady is None else f"{steady:,.0f}", "-" if ratio is None else f"{ratio:.2f}",
                 f"{self.first_batch_s:.2f}", f"{self.client_cpu_s / self.images * 1e6:,.0f}",
-                f"{self.server_cpu_s / self.images * 1e6:,.0f}"]
+                f"{self.server_cpu_s / max(self.served, 1) * 1e6:,.0f}"]
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d.update(images_per_s_total=self.total, images_per_s_first_epoch=self.first_epoch,
                  images_per_s_steady=self.steady, steady_over_ceiling=self.steady_ratio,
                  client_cpu_us_per_image=self.client_cpu_s / self.images * 1e6,
-                 server_cpu_us_per_image=self.server_cpu_s / self.images * 1e6)
+                 images_served=self.served,
+                 server_cpu_us_per_image_served=self.server_cpu_s / max(self.served, 1) * 1e6)
         return d
 
 
@@ -323,7 +331,7 @@ def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, co
                                                options, opts, pid, ceiling))
     say("images/s total: every image over the wall time from creating the Loader to the last batch "
         "(the headline); first epoch: from creating the Loader; steady: the epochs after the first; "
-        "CPU: per image delivered")
+        "client CPU: per image delivered; server CPU: per image served (the loader fetches ahead past the last epoch)")
     md = table(HEADER, [r.row() for r in results])
     print(md)
     for r in results:
@@ -331,9 +339,8 @@ def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, co
         print(f"  {r.rtt_ms:g} ms: loader window {s['window']} requests, request latency "
               f"{(s['request_latency'] or 0) * 1e3:.0f} ms (min {(s['min_latency'] or 0) * 1e3:.0f}), "
               f"DALI's feeder waited on the loader {s['wait_fraction']:.0%} of the time, "
-              f"peak {s['peak_bytes'] / 2**20:.0f} MiB, retries {s['retries']}; received "
-              f"{s['received'] / max(s['bytes'], 1) * s['samples']:,.0f} images for {s['samples']:,} delivered "
-              "(the rest: look-ahead past the last epoch)")
+              f"peak {s['peak_bytes'] / 2**20:.0f} MiB, retries {s['retries']}; received {r.served:,.0f} images "
+              f"for {s['samples']:,} delivered (the rest: look-ahead past the last epoch)")
     if opts.out:
         _write(opts, command, lines, md, results, ceiling, agreed, label)
     return 0 if agreed.ok else 1

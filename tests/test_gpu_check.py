@@ -138,6 +138,7 @@ def test_e2e_runs_to_the_end_with_every_column_for_every_rtt(tmp_path, capsys):
         assert row["images_per_s_total"] == pytest.approx(128 / row["seconds_total"])
         assert row["steady_over_ceiling"] == pytest.approx(row["images_per_s_steady"] / row["ceiling"])
         assert row["client_cpu_s"] > 0 and row["server_cpu_s"] > 0  # the server's own process, from /proc
+        assert 127.5 < row["images_served"] < 64 * 4 + 0.5  # the delivered ones and a look-ahead
     assert twenty["loader"]["min_latency"] >= 0.020  # the proxy is really in the path
     md = (tmp_path / "gpu_e2e.md").read_text()
     assert "| rtt ms |" in md and "steady / ceiling" in md and doc["command"] in md
