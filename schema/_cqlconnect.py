@@ -142,7 +142,10 @@ def connect(opts: CassandraOptions, **cluster_args):
         cluster.shutdown()
         err = translate(exc, f"cannot connect to cassandra store {where(opts)}")
         raise err from (None if err is exc else exc)
-    if cluster.protocol_version < 3:
+    if cluster.protocol_version < 3 and exists:
+        # grow the pool only for a store that will be used: the connections it
+        # opens in the background outlive a shutdown that comes before they do
+        # (a missing keyspace is closed at once), keeping the driver's IO loop alive
         _size_pool(cluster, opts)
     return cluster, session, exists
 

@@ -158,3 +158,13 @@ def test_cluster_shut_down_with_requests_in_flight_goes_quiet(cassandra_url):
         session.execute_async("SELECT key FROM system.local", timeout=0.5)
     cluster.shutdown()
     _assert_quiet(before, "Cluster.shutdown() with 300 requests in flight", settle=2.5)
+
+
+def test_a_store_that_fails_to_open_leaves_no_thread(cassandra_server):
+    """A missing keyspace closes the cluster at once: connections the pool was
+    still opening in the background kept the driver's IO loop alive for good."""
+    host, port = cassandra_server
+    before = _baseline()
+    with pytest.raises(StoreUnavailable, match="no_such_keyspace"):
+        asyncio.run(open_store(f"cassandra://{host}:{port}/no_such_keyspace"))
+    _assert_quiet(before, "a store failed to open", settle=1.0)
