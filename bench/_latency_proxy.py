@@ -55,8 +55,8 @@ full.
 Why protocols and not streams: a ``BufferedProtocol`` reads into a buffer of
 the size the pipe asks for (so the cap is exact and a slow rate reads small
 chunks), and no ``StreamReader`` copies, futures or per-direction tasks sit on
-the path; on loopback it took 10-30% less CPU per GB than a streams version
-(``python -m dataferry.bench.proxy_check`` measures it).
+the path (``python -m dataferry.bench.proxy_check`` measures its throughput
+and CPU per GB).
 """
 
 from __future__ import annotations
