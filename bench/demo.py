@@ -127,8 +127,8 @@ def run_stream_demo(opts: StreamDemoOptions = StreamDemoOptions()) -> str:
             n, nb, dt = asyncio.run(_naive(link, opts.dataset, list(checksums), opts.naive_seconds))
     ours, naive = total / ours_s, n / dt
     head = [["dataferry (completion order, adaptive window)", f"{total:,}", f"{ours:,.0f}",
-             f"{total_bytes / ours_s / 1e6:,.1f}", f"{ours_s:.2f}"],
-            ["naive (1 request in flight, 1 sample each)", f"{n:,}", f"{naive:,.1f}", f"{nb / dt / 1e6:,.2f}", f"{dt:.2f}"]]
+             f"{total_bytes / ours_s / 1e6:,.1f}", f"{ours_s:.3f}"],
+            ["naive (1 request in flight, 1 sample each)", f"{n:,}", f"{naive:,.1f}", f"{nb / dt / 1e6:,.2f}", f"{dt:.3f}"]]
     lines.append("total samples over total wall time, from creating the loader to the last batch:")
     lines.append(table(["loader", "samples", "samples/s", "MB/s", "seconds"], head + rows))
     lines.append(f"headline: dataferry {ours:,.0f} samples/s against {naive:,.1f} samples/s naive on this link "
