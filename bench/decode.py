@@ -85,13 +85,7 @@ def _dali_decode(blobs: list[bytes], threads: int, passes: int, batch: int):
                           options=DaliOptions(device="cpu", num_threads=threads))
     pipe.build()
 
-    def run():
-        state["i"] = 0
-        try:
-            while True:
-                pipe.run()
-        except StopIteration:
-            pipe.reset()
+    run = pipeline_epoch(pipe, state)
 
     return run
 
@@ -163,3 +157,20 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def pipeline_epoch(pipe, state: dict, after=None):
+    """A function that runs ``pipe`` once through its external source's epoch
+    (``state["i"] = 0`` rewinds the source), then calls ``after`` (a device sync)."""
+
+    def run():
+        state["i"] = 0
+        try:
+            while True:
+                pipe.run()
+        except StopIteration:
+            pipe.reset()
+        if after is not None:
+            after()
+
+    return run

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 
 from ._common import table
+from .decode import pipeline_epoch
 
 __all__ = ["main", "gpu_report", "select_device", "dali_decode", "pillow_decode", "psnr", "agreement",
            "Agreement", "MIN_PSNR", "NO_GPU", "AGREE_IMAGES"]
@@ -244,13 +245,7 @@ def _decode_rate(blobs, device: str, device_id, batch: int, passes: int, runs: i
                           options=DaliOptions(device=device, device_id=device_id))
     pipe.build()
 
-    def run():
-        state["i"] = 0
-        try:
-            while True:
-                pipe.run()
-        except StopIteration:
-            pipe.reset()
+    run = pipeline_epoch(pipe, state)
 
     return len(arrays) / _median(run, runs)
 

@@ -46,6 +46,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from ._common import announced, data_server, table
+from .decode import pipeline_epoch
 from .gpu_check import MIN_PSNR, _median, check_decoder
 
 __all__ = ["E2EOptions", "RttResult", "run_e2e"]
@@ -237,14 +238,7 @@ def decode_ceiling(blobs: list[bytes], device: str, device_id: int | None, optio
     pipe.build()
     sync = _synchronizer(device, device_id)
 
-    def run():
-        state["i"] = 0
-        try:
-            while True:
-                pipe.run()
-        except StopIteration:
-            pipe.reset()
-        sync()
+    run = pipeline_epoch(pipe, state, sync)
 
     return len(arrays) / _median(run, runs)
 

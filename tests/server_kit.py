@@ -118,7 +118,11 @@ def make_samples(n: int, *, size: int = 2000, seed: int = 0) -> list[Sample]:
 
 def seeded_db(path: Path, dataset: str, samples: list[Sample], splits: dict[str, list[int]] | None = None) -> str:
     """A SQLite store at ``path`` holding ``dataset`` (see :func:`seed`); its URL."""
-    url = f"sqlite://{path}"
+    return seed_url(f"sqlite://{path}", dataset, samples, splits)
+
+
+def seed_url(url: str, dataset: str, samples: list[Sample], splits: dict[str, list[int]] | None = None) -> str:
+    """:func:`seed` the store at ``url`` (opened and closed here); the URL."""
 
     async def go() -> None:
         async with await open_store(url) as store:

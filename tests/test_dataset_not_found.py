@@ -15,7 +15,7 @@ from dataferry.client import Loader
 from dataferry.client._http import HttpSource
 from dataferry.schema import DatasetNotFound, NotFound, SplitNotFound, open_store, parse_store_url
 from dataferry.server import ServerOptions, make_app
-from server_kit import live_server, make_samples, run, seed
+from server_kit import live_server, make_samples, run, seed_url
 
 TOKEN = "s3cret-token-value"
 
@@ -46,11 +46,7 @@ def test_an_unknown_dataset_is_dataset_not_found_on_every_path(path, dataset_nam
     kind, store_url = path
     known, unknown = dataset_name, f"{dataset_name}_missing"
 
-    async def prepare():
-        async with await open_store(store_url) as store:
-            await seed(store, known, make_samples(3), splits={"train": [0, 1]})
-
-    run(prepare())
+    seed_url(store_url, known, make_samples(3), {"train": [0, 1]})
     with contextlib.ExitStack() as stack:
         base = None
         if kind == "http":  # the real app over the same store, in a loop thread (a Loader blocks this one)

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import urllib.request
 from collections import Counter
 
 import pytest
+from dataferry.bench._devcassandra import _free_ports
 from _deploy_kit import HAPROXY_CFG, SERVERS, cli_args, compose_model, haproxy_sections, haproxy_setting, seconds
 
 
@@ -100,32 +100,18 @@ def _wait_for(predicate, what: str, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @needs_haproxy
 def test_haproxy_streams_from_both_replicas_and_fails_over(tmp_path):
-    from server_kit import make_samples, run, seed
+    from server_kit import make_samples, seed_url
 
     from dataferry.client import Hedge, HttpSource, Loader, Prefetch, Retry
-    from dataferry.schema import open_store
 
     samples = make_samples(400, size=3000)
     db = f"sqlite://{tmp_path / 's.db'}"
 
-    async def prepare():
-        async with await open_store(db) as store:
-            await seed(store, "d", samples)
-
-    run(prepare())
+    seed_url(db, "d", samples)
     token = "t0ken-" + "x" * 20
     (tmp_path / "token").write_text(token + "\n")
     digest = {s.id: hashlib.sha256(s.data).digest() for s in samples}

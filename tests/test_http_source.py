@@ -22,7 +22,7 @@ from dataferry.schema import Sample, open_store
 from dataferry.schema._errors import ConfigError, StoreError, StoreTimeout, StoreUnavailable
 from dataferry.schema._wire import encode_end, encode_sample
 from dataferry.server import ServerOptions, make_app
-from server_kit import make_samples, run, seed, serve
+from server_kit import make_samples, run, seed, seed_url, serve
 
 
 # --- a real server in a subprocess, killed and restarted ---------------------------------------------
@@ -50,11 +50,7 @@ def test_loader_finishes_the_epoch_across_a_server_kill_and_restart(tmp_path):
     samples = make_samples(3000, size=1500)
     db = f"sqlite://{tmp_path / 's.db'}"
 
-    async def prepare():
-        async with await open_store(db) as store:
-            await seed(store, "d", samples)
-
-    run(prepare())
+    seed_url(db, "d", samples)
     digest = {s.id: hashlib.sha256(s.data).digest() for s in samples}
     servers = [ServerProcess(db)]
     events: list[str] = []
@@ -277,11 +273,7 @@ def test_a_rotation_token_file_works_for_the_server_and_the_client(tmp_path):
     accepts both tokens, the client sends the first."""
     db = f"sqlite://{tmp_path / 's.db'}"
 
-    async def prepare():
-        async with await open_store(db) as store:
-            await seed(store, "d", make_samples(3))
-
-    run(prepare())
+    seed_url(db, "d", make_samples(3))
     tokens = tmp_path / "tokens"
     tokens.write_text("# rotating: old, then new\r\nold-token\r\n\nnew-token\n")
     server = ServerProcess(db, 0, "--token-file", str(tokens))

@@ -20,7 +20,7 @@ from dataferry.schema import DatasetInfo, IdList, Sample, SampleMeta, SampleReco
 from dataferry.schema._ddl import apply_schema
 from dataferry.schema._url import parse_store_url
 from test_http_source import ServerProcess
-from server_kit import make_samples, run, seed
+from server_kit import make_samples, run, seed_url
 
 BUDGET = 4 << 20  # Prefetch.max_bytes: the datasets below are >= 10x this
 
@@ -46,11 +46,7 @@ def test_loader_with_default_options_streams_through_three_server_restarts(tmp_p
     assert sum(len(s.data) for s in samples) >= 10 * BUDGET
     db = f"sqlite://{tmp_path / 's.db'}"
 
-    async def prepare():
-        async with await open_store(db) as store:
-            await seed(store, "d", samples)
-
-    run(prepare())
+    seed_url(db, "d", samples)
     digest = {s.id: hashlib.sha256(s.data).digest() for s in samples}
     servers = [ServerProcess(db)]
     done = threading.Event()

@@ -27,7 +27,7 @@ from dataferry.schema._errors import ConfigError, StoreTimeout, StoreUnavailable
 from dataferry.schema._wire import FRAMES_TYPE, IDLIST_TYPE, EndRecord, ErrorRecord, decode_idlist, encode_ids
 from dataferry.server import ServerOptions, make_app
 from dataferry.server._samples import Outbox
-from server_kit import LABELS, BrokenStore, call, decode, make_samples, parse_metrics, run, seed, self_signed, serve
+from server_kit import LABELS, BrokenStore, call, decode, make_samples, parse_metrics, run, seed, seed_url, self_signed, serve
 
 BIN = {"Content-Type": "application/octet-stream"}
 
@@ -581,11 +581,7 @@ def test_cli_serves_and_finishes_in_flight_responses_on_sigterm(tmp_path):
     db = tmp_path / "s.db"
     samples = make_samples(40, size=512 << 10)  # 20 MB: still streaming when SIGTERM comes
 
-    async def prepare():
-        async with await open_store(f"sqlite://{db}") as store:
-            await seed(store, "d", samples)
-
-    run(prepare())
+    seed_url(f"sqlite://{db}", "d", samples)
     (tmp_path / "tok").write_text("tok\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "dataferry.server", "--store", f"sqlite://{db}", "--port", "0",
