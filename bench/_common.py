@@ -138,12 +138,35 @@ def prepared_store(kind: str, images: int, dataset: str = "bench", store_url: st
         yield store_url, addr, report
 
 
+class Listening(tuple):
+    """``(host, port)`` of a server process that :func:`announced` started, with its ``pid``."""
+
+    pid: int
+
+    def __new__(cls, host: str, port: int, pid: int) -> Listening:
+        self = super().__new__(cls, (host, port))
+        self.pid = pid
+        return self
+
+    def __reduce__(self):  # it travels to the bench's measuring processes
+        return (Listening, (*self, self.pid))
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    # fields[0] is the state (field 3): utime and stime are fields 14 and 15
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.contextmanager
 def announced(cmd: Sequence[str], what: str, *, stderr=None):
     """Run ``cmd``, a server that prints its address on its first line of stdout
-    (``listening on HOST:PORT``, or a URL); yield ``(host, port)``; stop it on exit
-    (SIGTERM, SIGKILL after 15 s). ``what`` names it in errors; ``stderr`` is
-    passed to :class:`subprocess.Popen`."""
+    (``listening on HOST:PORT``, or a URL); yield its :class:`Listening`
+    ``(host, port)``, which also carries the ``pid``; stop it on exit (SIGTERM,
+    SIGKILL after 15 s). ``what`` names it in errors; ``stderr`` is passed to
+    :class:`subprocess.Popen`."""
     import re
     import subprocess
 
@@ -154,7 +177,7 @@ def announced(cmd: Sequence[str], what: str, *, stderr=None):
         if found is None:
             proc.kill()
             raise RuntimeError(f"{what} did not start ({' '.join(cmd)}): {line.strip() or 'no output'}")
-        yield found.group(1), int(found.group(2))
+        yield Listening(found.group(1), int(found.group(2)), proc.pid)
     finally:
         proc.terminate()
         try:
@@ -167,7 +190,7 @@ def announced(cmd: Sequence[str], what: str, *, stderr=None):
 
 def data_server(store_url: str, *, host: str = "127.0.0.1", wrap: Sequence[str] = ()):
     """Run ``dataferry serve`` on ``store_url`` in its own process, listening on
-    ``host``; yield ``(host, port)``. ``wrap`` prefixes the command (e.g. ``ip
+    ``host``; yield ``(host, port)`` (a :class:`Listening`, with the ``pid``). ``wrap`` prefixes the command (e.g. ``ip
     netns exec NS``)."""
     import sys
 

@@ -35,7 +35,6 @@ every row "cpu (not GPU numbers)".
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import os
@@ -45,7 +44,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from ._common import announced, data_server, table
+from ._common import announced, data_server, process_cpu_s, table
 from .decode import pipeline_epoch
 from .gpu_check import MIN_PSNR, _median, check_decoder
 
@@ -166,40 +165,6 @@ def _make_store(tmp: str, images: int) -> tuple[str, list[bytes]]:
     return url, blobs
 
 
-def _children() -> set[int]:
-    """Pids of this process's children (Linux /proc)."""
-    me, out = os.getpid(), set()
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as fh:
-                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # gone, or not ours to read
-            if ppid == me:
-                out.add(int(name))
-    return out
-
-
-@contextlib.contextmanager
-def _server(store_url: str):
-    """``dataferry serve`` on ``store_url``: yields ``(url, pid)``."""
-    before = _children()
-    with data_server(store_url) as (host, port):
-        new = [p for p in _children() - before if _cmdline(p).find("dataferry.server") >= 0]
-        if len(new) != 1:
-            raise RuntimeError(f"cannot tell the data server's process among this process's new children {new}")
-        yield (host, port), new[0]
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return fh.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def _proxy(upstream: tuple[str, int], rtt_ms: float):
     """A ``dataferry latency-proxy`` process, delay RTT/2 each way: yields ``(host, port)``."""
     cmd = [sys.executable, "-m", "dataferry.schema._cli", "latency-proxy",
@@ -256,12 +221,10 @@ def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: s
     """``opts.epochs`` epochs of Loader (HTTP, through the proxy) → DaliIterator → tensors."""
     from dataferry.client import DaliIterator, Loader, TrainTransform
 
-    from .load_server import cpu_s
-
     sync = _synchronizer(device, device_id)
     counts, ends = [], []
     first = None
-    c0, s0 = time.process_time(), cpu_s(server_pid)
+    c0, s0 = time.process_time(), process_cpu_s(server_pid)
     t0 = time.perf_counter()
     with Loader(link_url, DATASET, batch_size=opts.batch) as loader, \
             DaliIterator(loader, TrainTransform(224), options=options) as it:
@@ -280,7 +243,7 @@ def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: s
                 raise RuntimeError(f"at {rtt_ms:g} ms RTT, epoch {epoch} delivered {n} images ({len(seen)} distinct) "
                                    f"of {images}")
             counts.append(n)
-        client_cpu, server_cpu = time.process_time() - c0, cpu_s(server_pid) - s0
+        client_cpu, server_cpu = time.process_time() - c0, process_cpu_s(server_pid) - s0
         stats = loader.stats().as_dict()
     return RttResult(rtt_ms, label, sum(counts), tuple(counts), ends[-1] - t0, ends[0] - t0, first,
                      client_cpu, server_cpu, ceiling, stats)
@@ -315,7 +278,8 @@ def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, co
         say(f"decode ceiling from memory ({label}; decode + TrainTransform(224), no loader, "
             f"median of {opts.runs}): {ceiling:,.0f} images/s")
         results = []
-        with _server(store_url) as ((host, port), pid):
+        with data_server(store_url) as server:
+            (host, port), pid = server, server.pid
             for rtt in opts.rtts_ms:
                 with _proxy((host, port), rtt) as (phost, pport):
                     link = LinkOptions(delay=rtt / 2000)

@@ -31,6 +31,8 @@ import sys
 import tempfile
 import time
 
+from ._common import process_cpu_s
+
 __all__ = ["main"]
 
 DATASET = "bench"
@@ -109,12 +111,6 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    # fields[0] is the state (field 3): utime and stime are fields 14 and 15
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
 
 # --- a client process -------------------------------------------------------------------------------------
 def _client(url: str, ids: list[int], start: float, seconds: float, inflight: int, size: int, seed: int, out) -> None:
@@ -171,14 +167,14 @@ def run(args: argparse.Namespace) -> int:
         for p in procs:
             p.start()
         time.sleep(max(0.0, start - time.time()))
-        rss0, cpu0, t0 = rss_mb(pid), cpu_s(pid), time.perf_counter()
+        rss0, cpu0, t0 = rss_mb(pid), process_cpu_s(pid), time.perf_counter()
         rss = []  # (seconds into the run, MB), every 0.25 s
         while time.perf_counter() - t0 < args.seconds:
             time.sleep(0.25)
             rss.append((time.perf_counter() - t0, rss_mb(pid)))
         results = [out.get(timeout=120) for _ in procs]
         elapsed = time.perf_counter() - t0
-        cpu = cpu_s(pid) - cpu0
+        cpu = process_cpu_s(pid) - cpu0
         for p in procs:
             p.join(30)
     finally:
