@@ -154,6 +154,7 @@ class Link:
         self.window = float(prefetch.initial_inflight)
         self.mean_bytes = float(prefetch.sample_bytes_hint)
         self.latencies: deque[float] = deque(maxlen=hedge.history)  # full-size requests only
+        self.min_latency: float | None = None  # the lowest of them: the round-trip estimate
         self.hedge_after = float("inf")
 
     def answered(self, latency: float, full: bool) -> None:
@@ -169,9 +170,10 @@ class Link:
         if not full:
             return  # a short request (a retry, a hedge, an epoch's tail) says little about queueing
         self.latencies.append(latency)
+        self.min_latency = min(self.latencies)
         queued = 0.0
         if p.adaptive and latency > 0:
-            queued = self.window * (1.0 - min(self.latencies) / latency)
+            queued = self.window * (1.0 - self.min_latency / latency)
         if queued < self.QUEUE_LOW:
             self.window = min(float(p.max_inflight), self.window + 1.0)
         elif queued > self.QUEUE_HIGH:
@@ -628,8 +630,7 @@ class Run:
             lat = now - req.start
             c = self.c
             c.request_latency = lat if c.request_latency is None else c.request_latency * 0.875 + lat * 0.125
-            if self.link.latencies:
-                c.min_latency = min(self.link.latencies)
+            c.min_latency = self.link.min_latency
             if full and len(self.link.latencies) >= 8 and len(self.link.latencies) % 8 == 0 and self.hedge.enabled:
                 p95 = float(np.percentile(np.fromiter(self.link.latencies, float), 95))
                 self.link.hedge_after = max(self.hedge.min_delay, self.hedge.factor * p95)
