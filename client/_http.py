@@ -57,7 +57,6 @@ import aiohttp
 from yarl import URL
 
 from dataferry.schema import DatasetInfo, IdList, Sample, SampleNotFound, SplitInfo, read_token_file
-from dataferry.schema._errors import check as _check
 from dataferry.schema._errors import (
     ConfigError,
     DataferryError,
@@ -67,6 +66,7 @@ from dataferry.schema._errors import (
     StoreTimeout,
     StoreUnavailable,
 )
+from dataferry.schema._errors import check as _check
 from dataferry.schema._tokens import valid_token
 from dataferry.schema._wire import (
     FRAMES_TYPE,
@@ -81,7 +81,6 @@ from dataferry.schema._wire import (
 )
 
 __all__ = ["HttpSource", "HttpOptions", "TokenRefused", "RequestRejected"]
-
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,6 @@ import math
 import queue
 import time
 import weakref
-from collections.abc import Iterator
 from typing import Literal
 
 from dataferry.schema import ALL_SPLIT, IdList, SampleSource

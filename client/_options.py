@@ -10,7 +10,6 @@ from dataferry.schema._errors import check as _check
 __all__ = ["PlanOptions", "Prefetch", "Retry", "Hedge", "ErrorPolicy"]
 
 
-
 @dataclass(frozen=True, slots=True)
 class PlanOptions:
     """How an epoch's order and this rank's shard are chosen.

@@ -73,7 +73,6 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 _TRIES = 10  # torchvision's RandomResizedCrop attempts
 
 
-
 def _check_norm(mean: Sequence[float], std: Sequence[float]) -> None:
     _check(len(mean) == 3 and len(std) == 3, "mean and std need 3 values (R, G, B)")
     _check(all(s > 0 for s in std), f"std must be > 0, got {tuple(std)}")

@@ -168,7 +168,7 @@ class SqliteStore:
 
     def _translate(self, conn: sqlite3.Connection, exc: sqlite3.Error) -> StoreError:
         """A StoreError naming the file; a full disk says so, with the free space."""
-        where = f"sqlite store {self._opts.path!r}"
+        where = self._named
         code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
         if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
             return StoreTimeout(f"{where}: {exc}")

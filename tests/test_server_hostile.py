@@ -27,7 +27,6 @@ import gzip
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import statistics
@@ -48,7 +47,7 @@ from dataferry.schema import open_store
 from dataferry.schema._wire import encode_ids
 from dataferry.server import ServerOptions, make_app
 from dataferry.server._protocol import Runner
-from server_kit import SPEC, BrokenStore, Live, decode, live_server, make_samples, parse_metrics, seed, spec_document
+from server_kit import SPEC, BrokenStore, Live, live_server, make_samples, parse_metrics, seed, spec_document
 
 N_SAMPLES = 400
 SAMPLES = make_samples(N_SAMPLES, size=3000)
