@@ -15,7 +15,6 @@ none behind and the thread ends at once.
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import threading
 import time
 
@@ -24,7 +23,8 @@ import pytest
 
 from dataferry.client import Loader
 from dataferry.bench._latency_proxy import LinkOptions, ProxyThread
-from dataferry.schema import DatasetInfo, StoreUnavailable, IdList, Sample, SampleMeta, SampleRecord, open_store, parse_store_url
+from dataferry.schema import Sample, StoreUnavailable, open_store, parse_store_url
+from server_kit import seed_url
 from dataferry.schema._cqlconnect import connect
 
 pytestmark = pytest.mark.cassandra
@@ -39,18 +39,7 @@ def cql_dataset(cassandra_url):
     """``(url, dataset)`` with N small samples in the session keyspace."""
     name = "shutdown_cql"
     rng = np.random.default_rng(1)
-    recs = []
-    for i in range(N):
-        data = rng.integers(0, 256, 1000, dtype=np.uint8).tobytes()
-        recs.append(SampleRecord(Sample(i, i % 3, data), SampleMeta(i, i % 3, f"{i}.jpg", "JPEG", 1, 1, 1000, "-")))
-
-    async def fill():
-        async with await open_store(cassandra_url) as store:
-            await store.put_samples(name, recs)
-            await store.put_dataset(DatasetInfo(name, ("a", "b", "c"), N, dt.datetime.now(dt.timezone.utc)))
-            await store.put_split(name, "all", IdList(np.arange(N), np.arange(N) % 3))
-
-    asyncio.run(fill())
+    seed_url(cassandra_url, name, [Sample(i, i % 3, rng.integers(0, 256, 1000, dtype=np.uint8).tobytes()) for i in range(N)])
     return cassandra_url, name
 
 

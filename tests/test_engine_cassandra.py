@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import datetime as dt
 import threading
 import time
 from collections import Counter
@@ -13,7 +11,8 @@ import pytest
 
 from dataferry.bench._latency_proxy import LinkOptions, ProxyThread
 from dataferry.client import Hedge, Loader, Prefetch, Retry
-from dataferry.schema import DatasetInfo, IdList, Sample, SampleMeta, SampleRecord, open_store
+from dataferry.schema import Sample, open_store
+from server_kit import seed_url
 from faults import Faults, FaultySource
 
 pytestmark = pytest.mark.cassandra
@@ -26,19 +25,9 @@ def cql_dataset(cassandra_url):
     """``(url, dataset)`` with N small samples in the session keyspace."""
     name = "engine_cql"
     rng = np.random.default_rng(0)
-    recs = []
-    for i in range(N):
-        data = rng.integers(0, 256, 2000 + i, dtype=np.uint8).tobytes()
-        recs.append(SampleRecord(Sample(i, i % 7, data), SampleMeta(i, i % 7, f"{i}.jpg", "JPEG", 1, 1, len(data), "-")))
-
-    async def fill():
-        async with await open_store(cassandra_url) as store:
-            await store.put_samples(name, recs)
-            await store.put_dataset(DatasetInfo(name, tuple("abcdefg"), N, dt.datetime.now(dt.timezone.utc)))
-            await store.put_split(name, "all", IdList(np.arange(N), np.arange(N) % 7))
-
-    asyncio.run(fill())
-    return cassandra_url, name, {r.sample.id: r.sample.data for r in recs}
+    samples = [Sample(i, i % 3, rng.integers(0, 256, 2000 + i, dtype=np.uint8).tobytes()) for i in range(N)]
+    seed_url(cassandra_url, name, samples)
+    return cassandra_url, name, {s.id: s.data for s in samples}
 
 
 def via(url: str, proxy: ProxyThread, **options) -> str:

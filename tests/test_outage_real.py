@@ -5,7 +5,6 @@ least 10x the byte budget. Every id arrives exactly once per epoch, byte-exact.
 
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 import threading
 import time
@@ -16,7 +15,7 @@ import pytest
 
 from dataferry.bench._devcassandra import DevCassandra
 from dataferry.client import Loader, Prefetch
-from dataferry.schema import DatasetInfo, IdList, Sample, SampleMeta, SampleRecord, open_store
+from dataferry.schema import Sample
 from dataferry.schema._ddl import apply_schema
 from dataferry.schema._url import parse_store_url
 from test_http_source import ServerProcess
@@ -93,19 +92,9 @@ def test_loader_with_default_options_streams_through_a_cassandra_restart(cassand
         run(apply_schema(parse_store_url(url)))
         n, size = 1000, 45_000  # 45 MB, 11x the budget
         rng = np.random.default_rng(1)
-        recs = []
-        for i in range(n):
-            data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
-            recs.append(SampleRecord(Sample(i, i % 3, data), SampleMeta(i, i % 3, f"{i}.jpg", "JPEG", 1, 1, size, "-")))
-
-        async def fill():
-            async with await open_store(url) as store:
-                await store.put_samples("d", recs)
-                await store.put_dataset(DatasetInfo("d", ("a", "b", "c"), n, dt.datetime.now(dt.timezone.utc)))
-                await store.put_split("d", "all", IdList(np.arange(n), np.arange(n) % 3))
-
-        run(fill())
-        digest = {r.sample.id: hashlib.sha256(r.sample.data).digest() for r in recs}
+        samples = [Sample(i, i % 3, rng.integers(0, 256, size, dtype=np.uint8).tobytes()) for i in range(n)]
+        seed_url(url, "d", samples)
+        digest = {s.id: hashlib.sha256(s.data).digest() for s in samples}
         done = threading.Event()
         took: list[float] = []
 
