@@ -249,6 +249,15 @@ def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: s
                      client_cpu, server_cpu, ceiling, stats)
 
 
+def _decoding(options, device: str, device_id: int | None) -> str:
+    """The DALI threads and hardware-decoder share this run uses (the options', else the machine's defaults)."""
+    torch = None
+    if device == "gpu":
+        import torch
+    threads, load = options.decoding(device, device_id, torch)
+    return f"{threads} thread(s)" + (f", hw_decoder_load {load:g}" if device == "gpu" else "")
+
+
 def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, command: str = "") -> int:
     """Run it all; print the table (and write it under ``opts.out``). Exit status: 0, or 1 if the decoder disagrees."""
     from dataferry.client import DaliOptions
@@ -271,7 +280,7 @@ def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, co
         mean_kb = statistics.fmean(map(len, blobs)) / 1e3
         say(f"{len(blobs)} synthetic JPEGs (mean {mean_kb:.0f} KB) ingested into {store_url} "
             f"in {time.perf_counter() - t:.1f} s; batch {opts.batch}, {opts.epochs} epoch(s) per RTT; "
-            f"DALI on {label}" + (f", hw_decoder_load {options.hw_decoder_load:g}" if device == "gpu" else ""))
+            f"DALI on {label}: {_decoding(options, device, device_id)}")
         agreed = check_decoder(blobs, device, device_id, opts.min_psnr)
         lines.append(f"decoder vs Pillow: {agreed.describe()}")
         ceiling = decode_ceiling(blobs, device, device_id, options, opts.batch, opts.runs)

@@ -74,7 +74,7 @@ made, with a clear error if it is missing.
 
 from __future__ import annotations
 
-import os
+import logging
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -86,10 +86,13 @@ import numpy as np
 from dataferry.schema._errors import ConfigError, DataferryError
 
 from ._engine import Batch
+from ._hardware import decoder_defaults, usable_cores
 from ._imagebatch import ImageBatch, ImageIterator, Prepared, prepare
 from ._transforms import EvalTransform, TargetKind, Transform
 
 __all__ = ["DaliOptions", "DaliIterator", "dali_gpu_count", "import_dali", "build_pipeline"]
+
+log = logging.getLogger("dataferry.client")
 
 DALI_PIP = "pip install nvidia-dali-cuda130==2.4.0 (or the nvidia-dali wheel for your CUDA)"
 
@@ -123,17 +126,20 @@ class DaliOptions:
     ``device``: ``"gpu"`` (nvJPEG via the ``mixed`` decoder, transforms on the
     GPU), ``"cpu"`` (libjpeg-turbo and CPU operators), or None for the GPU
     when there is one. ``device_id``: the GPU (default
-    ``torch.cuda.current_device()``). ``num_threads``: DALI's CPU threads
-    (default ``min(8, cpu_count)``). ``prefetch``: DALI's
+    ``torch.cuda.current_device()``). ``prefetch``: DALI's
     ``prefetch_queue_depth``, batches processed ahead of the consumer.
-    ``hw_decoder_load``: share of JPEGs for the hardware decoder (A100/H100).
+    ``num_threads`` (DALI's CPU threads) and ``hw_decoder_load`` (the share of
+    JPEGs for the GPU's hardware decoder): None follows the machine (see
+    ``_hardware.py``: 4 threads and 0.99 on H100/H200/B200, up to 8 threads
+    and DALI's 0.65 on other GPUs, every usable core but one on the CPU; the
+    choice is logged once per pipeline); a number overrides.
     """
 
     device: Literal["cpu", "gpu"] | None = None
     device_id: int | None = None
     num_threads: int | None = None
     prefetch: int = 2
-    hw_decoder_load: float = 0.65
+    hw_decoder_load: float | None = None
 
     def __post_init__(self) -> None:
         if self.device not in (None, "cpu", "gpu"):
@@ -144,7 +150,7 @@ class DaliOptions:
             raise ConfigError(f"num_threads must be >= 1, not {self.num_threads}")
         if self.prefetch < 1:
             raise ConfigError(f"prefetch must be >= 1, not {self.prefetch}")
-        if not 0 <= self.hw_decoder_load <= 1:
+        if self.hw_decoder_load is not None and not 0 <= self.hw_decoder_load <= 1:
             raise ConfigError(f"hw_decoder_load must be in [0, 1], not {self.hw_decoder_load}")
 
     def resolve(self, torch) -> tuple[str, int | None]:
@@ -164,6 +170,20 @@ class DaliOptions:
             raise ConfigError(f"device_id {device_id} out of range: {dali_gpu_count()} GPU(s) visible")
         return "gpu", device_id
 
+    def decoding(self, device: str, device_id: int | None, torch) -> tuple[int, float]:
+        """``(num_threads, hw_decoder_load)`` for this device: the options where set, else the machine's defaults."""
+        capability, name = None, ""
+        if device == "gpu" and torch is not None:
+            props = torch.cuda.get_device_properties(device_id)
+            capability, name = (props.major, props.minor), props.name
+        auto = decoder_defaults(device, capability, name, usable_cores())
+        threads = self.num_threads or auto.threads
+        load = auto.hw_decoder_load if self.hw_decoder_load is None else self.hw_decoder_load
+        if self.num_threads is None or (device == "gpu" and self.hw_decoder_load is None):
+            log.info("DALI on %s: %d thread(s)%s (%s; set DaliOptions to override)", device, threads,
+                     f", hw_decoder_load {load:g}" if device == "gpu" else "", auto.reason)
+        return threads, load
+
 
 def build_pipeline(source, transform: Transform, *, targets: TargetKind, batch_size: int, device: str,
                    device_id: int | None, options: DaliOptions, graph: Callable | None = None):
@@ -175,7 +195,10 @@ def build_pipeline(source, transform: Transform, *, targets: TargetKind, batch_s
     crop, mask = transform is not None, targets == "mask"
     dtypes = [types.UINT8] + ([types.FLOAT, types.FLOAT, types.INT32] if crop else []) + ([types.UINT8] if mask else [])
     ndims = [1] + ([1, 1, 0] if crop else []) + ([1] if mask else [])
-    threads = options.num_threads or min(8, os.cpu_count() or 1)
+    torch = None
+    if device == "gpu":
+        import torch
+    threads, hw_load = options.decoding(device, device_id, torch)
 
     @dali.pipeline_def(batch_size=batch_size, num_threads=threads, device_id=device_id,
                        prefetch_queue_depth=options.prefetch, exec_dynamic=True)
@@ -185,7 +208,7 @@ def build_pipeline(source, transform: Transform, *, targets: TargetKind, batch_s
         jpegs = inputs[0]
         dec = {"device": "mixed" if device == "gpu" else "cpu", "output_type": types.RGB, "adjust_orientation": False}
         if device == "gpu":
-            dec["hw_decoder_load"] = options.hw_decoder_load
+            dec["hw_decoder_load"] = hw_load
         mdec = {"device": "cpu", "output_type": types.GRAY, "adjust_orientation": False}
         if not crop:
             images = fn.decoders.image(jpegs, **dec)

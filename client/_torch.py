@@ -16,7 +16,6 @@ Epochs, resume (leaving out the batches in flight), the batch type and the
 
 from __future__ import annotations
 
-import os
 import queue
 import weakref
 from collections import deque
@@ -29,6 +28,7 @@ import numpy as np
 from dataferry.schema._errors import ConfigError, DataferryError
 
 from ._engine import Batch
+from ._hardware import usable_cores
 from ._imagebatch import ImageBatch, ImageIterator, Prepared, prepare
 from ._transforms import EvalTransform, TargetKind, Transform, decode_mask, decode_rgb, transform_image, transform_mask
 
@@ -72,7 +72,7 @@ class TorchIterator(ImageIterator):
     ``transform``: :class:`TrainTransform`, :class:`EvalTransform` or None
     (decode only). ``targets``: ``"none"``, ``"mask"`` or ``"multilabel"``
     (see ``_transforms.py`` for the encodings). ``workers``: decode threads
-    (default ``min(16, cpu_count)``; Pillow releases the GIL while it decodes
+    (default: the usable cores, ``_hardware.usable_cores``, at most 16; Pillow releases the GIL while it decodes
     and resizes). ``prefetch``: batches decoded ahead of the consumer.
     ``seed`` (default: the loader's plan seed) keys the random crops and
     flips with the epoch and sample id. ``map``: a function from
@@ -99,7 +99,8 @@ class TorchIterator(ImageIterator):
         super().__init__(loader, transform, targets, seed, map)
         if prefetch < 1:
             raise ConfigError(f"prefetch must be >= 1, not {prefetch}")
-        workers = workers or min(16, os.cpu_count() or 1)
+        if workers is None:  # Pillow releases the GIL while decoding: one thread per usable core
+            workers = min(16, usable_cores())
         if workers < 1:
             raise ConfigError(f"workers must be >= 1, not {workers}")
         self.prefetch = prefetch

@@ -271,3 +271,10 @@ def test_decode_benchmark_prints_a_table():
     out = run_decode_bench(images=4, runs=1, threads=2, passes=1, batch=4)
     for row in ("decode: Pillow", "decode: DALI cpu", "TorchIterator", "DaliIterator cpu", "images/s"):
         assert row in out
+
+
+def test_default_options_decode_with_the_machines_thread_count():
+    samples = jpeg_samples(20)
+    (batches,) = run_epochs(dali(TrainTransform(size=24), options=DaliOptions(device="cpu")),
+                            MemorySource("ds", samples), batch_size=8)
+    assert sorted(i for b in batches for i in b.ids.tolist()) == sorted(s.id for s in samples)
