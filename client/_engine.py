@@ -343,6 +343,8 @@ class Run:
         self._wake: asyncio.Future | None = None
         self._rand = random.Random(plan.seed * 1000003 + plan.epoch)
         self._ended = False
+        #: what held the dispatcher back in its last round: "window", "budget" or None (for the stats)
+        self._held: str | None = None
         self._consumer_epoch = plan.epoch
         self._store = describe_source(source)
         # the circuit breaker: failed requests in a row, since when, the next probe
@@ -370,13 +372,19 @@ class Run:
                 if self._ended:
                     break
                 now = loop.time()
+                self._held = None
                 wake_at = min(self._dispatch(now), self._maybe_hedge(now))
+                held, held_from = self._held, now
                 self._wake = loop.create_future()
                 waiters = {r.task for r in self._active}
                 waiters.add(self._wake)
                 timeout = None if wake_at == _INF else max(0.0, wake_at - loop.time())
                 done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 now = loop.time()
+                if held == "window":
+                    self.c.window_full += now - held_from
+                elif held == "budget":
+                    self.c.budget_full += now - held_from
                 for req in [r for r in self._active if r.task in done]:
                     self._on_done(req, now)
         finally:
@@ -478,6 +486,7 @@ class Run:
                     heapq.heappop(ep.retries)
                     continue
                 if not self._budget_allows(int(len(positions) * self.link.mean_bytes), ep):
+                    self._held = "budget"
                     return True, _INF
                 heapq.heappop(ep.retries)
                 self._start(ep, positions, attempt, now)
@@ -486,10 +495,12 @@ class Run:
                 return False, ep.retries[0][0] if ep.retries else _INF
             est = int(min(self.request_size, ep.n - ep.cursor) * self.link.mean_bytes)
             if not self._budget_allows(est, ep):
+                self._held = "budget"
                 return True, _INF
             positions = ep.fresh(self.request_size)
             if positions:
                 self._start(ep, positions, 1, now)
+        self._held = "window"
         return True, _INF
 
     def _probe(self, now: float) -> float:
@@ -630,6 +641,8 @@ class Run:
             lat = now - req.start
             c = self.c
             c.request_latency = lat if c.request_latency is None else c.request_latency * 0.875 + lat * 0.125
+            c.answers += 1
+            c.latency_sum += lat
             c.min_latency = self.link.min_latency
             if full and len(self.link.latencies) >= 8 and len(self.link.latencies) % 8 == 0 and self.hedge.enabled:
                 p95 = float(np.percentile(np.fromiter(self.link.latencies, float), 95))

@@ -23,6 +23,13 @@ class Counters:
         self.hedges = 0
         self.duplicates = 0
         self.peak_bytes = 0
+        # for the attribution (``_attribution.py``): seconds the dispatcher had
+        # something to send but was held back by the window (requests in
+        # flight) or by the byte budget; and the answered requests' latencies
+        self.window_full = 0.0
+        self.budget_full = 0.0
+        self.answers = 0
+        self.latency_sum = 0.0
 
 
 class Taken:
@@ -36,6 +43,12 @@ class Taken:
         self.bytes = 0
         self.skipped = 0
         self.wait = 0.0  # seconds the consumer waited for a batch
+        # written by an iterator (TorchIterator, DaliIterator) in the same thread:
+        self.decode_wait = 0.0  # seconds the training loop waited on decode, not on the loader
+        self.decode_busy = 0.0  # decode threads' busy seconds, summed (TorchIterator; DALI does not say)
+        self.decode_threads = 0  # gauge; 0: no iterator
+        self.decode_queue = 0  # gauge: batches in the iterator's decode queue
+        self.decode_depth = 0  # gauge: its capacity
 
 
 def snapshot(c: Counters, taken: Taken, ready_bytes: int) -> Stats:
@@ -60,6 +73,15 @@ def snapshot(c: Counters, taken: Taken, ready_bytes: int) -> Stats:
         duplicates=c.duplicates,
         ready_bytes=ready_bytes,
         peak_bytes=c.peak_bytes,
+        window_full=c.window_full,
+        budget_full=c.budget_full,
+        answers=c.answers,
+        latency_sum=c.latency_sum,
+        decode_wait=taken.decode_wait,
+        decode_busy=taken.decode_busy,
+        decode_threads=taken.decode_threads,
+        decode_queue=taken.decode_queue,
+        decode_depth=taken.decode_depth,
     )
 
 
@@ -72,6 +94,9 @@ class Stats:
     blocked in ``get()``. ``request_latency`` is the smoothed time a request
     takes (it grows with the window and with queueing at the server);
     ``min_latency``, the lowest recent one, estimates the link's round trip.
+    With an iterator (``TorchIterator``, ``DaliIterator``) ``wait`` is its
+    feeder's wait on the loader and ``decode_wait`` the training loop's wait
+    on decode; ``loop_wait`` is their sum, the training loop's wait for data.
     ``b.since(a)`` gives the figures of the interval between two snapshots.
     """
 
@@ -98,6 +123,21 @@ class Stats:
     ready_bytes: int
     #: high-water mark of bytes in flight (reserved) plus ready
     peak_bytes: int
+    #: seconds the engine had requests to send but its window was full
+    window_full: float = 0.0
+    #: seconds the engine had requests to send but its byte budget was full
+    budget_full: float = 0.0
+    #: requests answered whole, and the sum of their latencies
+    answers: int = 0
+    latency_sum: float = 0.0
+    #: seconds the training loop waited on the iterator's decode (not on the loader)
+    decode_wait: float = 0.0
+    #: busy seconds of the decode threads, summed (TorchIterator; 0 for DALI, which does not say)
+    decode_busy: float = 0.0
+    #: the iterator's decode threads, batches in its decode queue and its capacity (gauges; 0: no iterator)
+    decode_threads: int = 0
+    decode_queue: int = 0
+    decode_depth: int = 0
 
     @property
     def samples_per_s(self) -> float:
@@ -109,21 +149,38 @@ class Stats:
 
     @property
     def wait_fraction(self) -> float:
-        """The share of the time the consumer waited for data."""
+        """The share of the time the consumer waited in the loader's ``get()``."""
         return min(1.0, self.wait / self.elapsed) if self.elapsed > 0 else 0.0
+
+    @property
+    def loop_wait(self) -> float:
+        """Seconds the training loop waited for data: on the loader, and on decode."""
+        return self.wait + self.decode_wait
+
+    @property
+    def loop_wait_fraction(self) -> float:
+        """The share of the time the training loop waited for data."""
+        return min(1.0, self.loop_wait / self.elapsed) if self.elapsed > 0 else 0.0
+
+    @property
+    def mean_latency(self) -> float | None:
+        """The mean latency of the requests answered (over an interval, with :meth:`since`)."""
+        return self.latency_sum / self.answers if self.answers else None
 
     def since(self, earlier: Stats) -> Stats:
         """The figures of the interval from ``earlier`` to this snapshot
         (counts and times as differences; gauges as of now)."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         for name in ("elapsed", "samples", "batches", "bytes", "wait", "skipped", "received", "requests",
-                     "retries", "failures", "hedges", "duplicates"):
+                     "retries", "failures", "hedges", "duplicates", "window_full", "budget_full", "answers", "latency_sum",
+                     "decode_wait", "decode_busy"):
             d[name] = getattr(self, name) - getattr(earlier, name)
         return Stats(**d)
 
     def as_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d.update(samples_per_s=self.samples_per_s, bytes_per_s=self.bytes_per_s, wait_fraction=self.wait_fraction)
+        d.update(samples_per_s=self.samples_per_s, bytes_per_s=self.bytes_per_s, wait_fraction=self.wait_fraction,
+                 loop_wait_fraction=self.loop_wait_fraction, mean_latency=self.mean_latency)
         return d
 
     def __str__(self) -> str:
