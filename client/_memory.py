@@ -14,22 +14,38 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 import numpy as np
 
 from dataferry.schema import ALL_SPLIT, IdList, Sample, SampleNotFound
-from dataferry.schema._errors import DatasetNotFound, SplitNotFound
+from dataferry.schema._errors import ConfigError, DatasetNotFound, SplitNotFound
 
 __all__ = ["MemorySource"]
 
 
 class MemorySource:
     """Samples held in a dict. ``latency`` seconds are awaited per request
-    (an emulated round trip); results come back in request order."""
+    (an emulated round trip); results come back in request order.
+
+    ``rate`` (bytes/s; None: unlimited) emulates a link's bottleneck without
+    sockets: after its round trip, each sample's bytes take ``len / rate``
+    seconds on one link shared by every request in flight, first come first
+    served, sample by sample (so concurrent requests share it as TCP flows
+    do, and requests beyond the bandwidth-delay product queue and see their
+    latency grow).
+    """
 
     preferred_request_size = 32
 
-    def __init__(self, dataset: str, samples: Iterable[Sample], *, latency: float = 0.0) -> None:
+    def __init__(
+        self, dataset: str, samples: Iterable[Sample], *, latency: float = 0.0, rate: float | None = None,
+    ) -> None:
+        if latency < 0:
+            raise ConfigError(f"MemorySource latency must be >= 0 seconds, not {latency}")
+        if rate is not None and rate <= 0:
+            raise ConfigError(f"MemorySource rate must be > 0 bytes/s (or None: unlimited), not {rate}")
         self.dataset = dataset
         self.samples = {s.id: s for s in samples}
         self.latency = latency
+        self.rate = rate
         self.requests = 0
+        self._link_free = 0.0  # when the emulated link has sent everything queued on it
 
     @classmethod
     def synthetic(cls, dataset: str, n: int, *, size: int = 1024, classes: int = 10, seed: int = 0, **kw) -> MemorySource:
@@ -42,8 +58,13 @@ class MemorySource:
         self.requests += 1
         if self.latency:
             await asyncio.sleep(self.latency)
+        loop = asyncio.get_running_loop() if self.rate else None
         for i in ids:
             s = self.samples.get(i) if dataset == self.dataset else None
+            if loop is not None and s is not None:
+                now = loop.time()
+                self._link_free = max(self._link_free, now) + len(s.data) / self.rate
+                await asyncio.sleep(self._link_free - now)
             yield s if s is not None else SampleNotFound(dataset, i)
 
     async def read_split(self, dataset: str, split: str) -> IdList:

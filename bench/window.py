@@ -1,0 +1,181 @@
+"""The engine's window against the link, without sockets.
+
+``python -m dataferry.bench.window [--latencies 0,100,200] [--images 4096] [--size 110000]
+[--seconds 6] [--runs 3] [--rate MBIT] [--max-bytes N] [--request-size N] [--max-inflight N] [--no-tune]``
+
+The real engine (:class:`~dataferry.client.Loader`) reads a
+:class:`~dataferry.client.MemorySource` that awaits ``latency`` per request
+(and, with ``--rate``, sends every sample's bytes over one shared emulated
+link of that many Mbit/s), so what is measured is the window alone: no
+sockets, no server. Per latency, medians of ``--runs``:
+
+* ``samples/s``: all samples over the whole run, from creating the Loader to
+  the last batch (the first epoch's ramp included); ``ratio``: that over the
+  0 ms row (or the first row);
+* ``steady/s``: samples after the first epoch over their time;
+* ``first batch``: seconds from creating the Loader to the first batch;
+* ``epoch 0``: seconds to the end of the first epoch;
+* ``us/sample``: this process's CPU per sample delivered;
+* ``window``: requests allowed in flight at the end, and ``ids/req`` the
+  request size then; then the window over time of the median run (requests,
+  at 0.05 s, 0.1 s, 0.2 s, 0.4 s, ...).
+
+The byte budget (``--max-bytes``, default ``Prefetch.max_bytes``) bounds what
+can be in flight: at ``latency`` L and ``size`` S the engine cannot exceed
+``max_bytes / (L x S)`` samples/s, printed as ``budget cap``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import time
+
+from ._common import table
+
+__all__ = ["WindowRun", "run_once", "main"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WindowRun:
+    latency: float
+    samples: int
+    seconds: float
+    steady_samples: int
+    steady_seconds: float
+    first_batch: float
+    epoch0: float
+    cpu: float
+    window: int
+    request_size: int
+    trace: tuple[tuple[float, int], ...]  # (seconds since start, window)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def steady_per_s(self) -> float:
+        return self.steady_samples / self.steady_seconds if self.steady_seconds > 0 else 0.0
+
+    @property
+    def us_per_sample(self) -> float:
+        return self.cpu / max(self.samples, 1) * 1e6
+
+
+def make_source(images: int, size: int, latency: float, rate_mbit: float | None):
+    from dataferry.client import MemorySource
+
+    rate = rate_mbit * 1e6 / 8 if rate_mbit else None
+    return MemorySource.synthetic("bench", images, size=size, latency=latency, rate=rate)
+
+
+def run_once(source, prefetch, *, seconds: float, batch_size: int = 256, max_samples: int | None = None) -> WindowRun:
+    """Iterate epochs of ``source`` through a Loader for about ``seconds``."""
+    from dataferry.client import Hedge, Loader
+
+    cpu0 = os.times()
+    t0 = time.perf_counter()
+    samples = steady = 0
+    first_batch = epoch0 = steady_t0 = None
+    trace: list[tuple[float, int]] = []
+    next_trace = 0.05
+    with Loader(source, "bench", batch_size=batch_size, prefetch=prefetch, hedge=Hedge(enabled=False)) as loader:
+        done = False
+        while not done:
+            for batch in loader:
+                now = time.perf_counter() - t0
+                if first_batch is None:
+                    first_batch = now
+                samples += len(batch)
+                if epoch0 is not None:
+                    steady += len(batch)
+                if now >= next_trace:
+                    trace.append((now, loader.stats().window))
+                    next_trace *= 2
+                if now >= seconds or (max_samples is not None and samples >= max_samples):
+                    done = True
+                    break
+            if epoch0 is None:
+                epoch0 = steady_t0 = time.perf_counter() - t0
+        end = time.perf_counter() - t0
+        window = loader.stats().window
+        request_size = getattr(loader._link, "request_size", None) or loader.prefetch.request_size or 32
+    cpu1 = os.times()
+    cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+    return WindowRun(
+        latency=getattr(source, "latency", 0.0), samples=samples, seconds=end,
+        steady_samples=steady, steady_seconds=end - (steady_t0 or end),
+        first_batch=first_batch or end, epoch0=epoch0 or end, cpu=cpu, window=window,
+        request_size=int(request_size), trace=tuple(trace),
+    )
+
+
+def median_run(runs: list[WindowRun]) -> WindowRun:
+    """The run with the median whole-run rate (its trace is shown)."""
+    return sorted(runs, key=lambda r: r.samples_per_s)[len(runs) // 2]
+
+
+def prefetch_from(args):
+    from dataferry.client import Prefetch
+
+    kw = {}
+    for name in ("max_bytes", "request_size", "max_inflight"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    if args.no_tune:
+        kw["tune"] = False
+    return Prefetch(**kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dataferry.bench.window", description=__doc__.split("\n\n")[0])
+    p.add_argument("--latencies", default="0,100,200", help="ms per request, comma-separated")
+    p.add_argument("--images", type=int, default=4096)
+    p.add_argument("--size", type=int, default=110_000, help="bytes per sample")
+    p.add_argument("--seconds", type=float, default=6.0, help="per run")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--rate", type=float, default=None, help="the emulated link's Mbit/s (default unlimited)")
+    p.add_argument("--max-bytes", type=int, default=None)
+    p.add_argument("--request-size", type=int, default=None)
+    p.add_argument("--max-inflight", type=int, default=None)
+    p.add_argument("--no-tune", action="store_true", help="Prefetch(tune=False): the fixed +1-per-answer window")
+    args = p.parse_args(argv)
+    prefetch = prefetch_from(args)
+    latencies = [float(x) / 1e3 for x in args.latencies.split(",")]
+    print(f"window: {args.images} samples of {args.size} B, batch {args.batch_size}, {args.runs} runs of "
+          f"{args.seconds:g} s, rate {args.rate or 'unlimited'} Mbit/s, {prefetch}")
+    results: dict[float, list[WindowRun]] = {lat: [] for lat in latencies}
+    for _ in range(args.runs):  # interleaved, so drift on a shared machine hits every latency alike
+        for lat in latencies:
+            source = make_source(args.images, args.size, lat, args.rate)
+            results[lat].append(run_once(source, prefetch, seconds=args.seconds, batch_size=args.batch_size))
+    base = None
+    rows, traces = [], []
+    for lat in latencies:
+        runs = results[lat]
+        rate = statistics.median(r.samples_per_s for r in runs)
+        base = base or rate
+        med = median_run(runs)
+        cap = prefetch.max_bytes / (lat * args.size) if lat else float("inf")
+        rows.append([
+            f"{lat * 1e3:g} ms", f"{rate:,.0f}", f"{rate / base:.2f}",
+            f"{statistics.median(r.steady_per_s for r in runs):,.0f}",
+            f"{statistics.median(r.first_batch for r in runs):.3f}",
+            f"{statistics.median(r.epoch0 for r in runs):.2f}",
+            f"{statistics.median(r.us_per_sample for r in runs):.1f}",
+            str(med.window), str(med.request_size), "-" if cap == float("inf") else f"{cap:,.0f}",
+        ])
+        traces.append(f"{lat * 1e3:g} ms: " + " ".join(f"{t:.2f}s:{w}" for t, w in med.trace))
+    print(table(["latency", "samples/s", "ratio", "steady/s", "first batch s", "epoch 0 s", "us/sample",
+                 "window", "ids/req", "budget cap/s"], rows))
+    print("window over time (median run):")
+    print("\n".join(traces))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
