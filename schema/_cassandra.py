@@ -34,6 +34,7 @@ from functools import partial
 from ._cqlconnect import connect, translate, where
 from ._errors import DatasetNotFound, SampleNotFound, SplitNotFound, StoreError, StoreUnavailable
 from ._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo, check_name
+from ._splits import DerivedSplit
 from ._store import FetchResult, SampleRecord
 from ._url import CassandraOptions, redact_url
 
@@ -69,6 +70,21 @@ _STATEMENTS = {
     "chunk": ("SELECT ids, labels FROM {ks}.split_chunks WHERE dataset=? AND split=? AND chunk=?", 3),
     "put_chunk": ("INSERT INTO {ks}.split_chunks (dataset, split, chunk, ids, labels) VALUES (?,?,?,?,?)", 3),
     "del_chunk": ("DELETE FROM {ks}.split_chunks WHERE dataset=? AND split=? AND chunk=?", 3),
+}
+
+#: Statements on ``derived_splits``, prepared on first use: a keyspace made
+#: before that table existed still opens, and says how to add it when used.
+_DERIVED_STATEMENTS = {
+    "derived": (
+        "SELECT parent, filter_text, created, num_ids, content_hash, parent_hash FROM {ks}.derived_splits "
+        "WHERE dataset=? AND split=?",
+        1,
+    ),
+    "put_derived": (
+        "INSERT INTO {ks}.derived_splits (dataset, split, parent, filter_text, created, num_ids, content_hash, "
+        "parent_hash) VALUES (?,?,?,?,?,?,?,?)",
+        1,
+    ),
 }
 
 
@@ -276,6 +292,50 @@ class CassandraStore:
                 f"cassandra store {self._where}: split {dataset}/{split} has {len(out)} ids, its header says {num_ids}"
             )
         return out
+
+    async def _prepare_derived(self, name: str, what: str) -> bool:
+        """Prepare a ``derived_splits`` statement once; False when the table does not exist."""
+        if name in self._ps:
+            return True
+        cql, pk = _DERIVED_STATEMENTS[name]
+        try:
+            ps = await asyncio.to_thread(self._session.prepare, cql.format(ks=self._opts.keyspace))
+        except Exception as exc:  # noqa: BLE001 - translated below
+            text = str(exc).lower()
+            if "derived_splits" in text or "unconfigured" in text:
+                return False
+            err = self._error(exc, what)
+            raise err from (None if err is exc else exc)
+        if ps.routing_key_indexes is None:
+            ps.routing_key_indexes = list(range(pk))
+        self._ps[name] = ps
+        return True
+
+    async def get_derived(self, dataset: str, split: str) -> DerivedSplit | None:
+        """The derived-split record of ``split``, or None (also in a keyspace made before derived splits)."""
+        what = f"read derived split {dataset}/{split}"
+        if not await self._prepare_derived("derived", what):
+            return None
+        rows = await self._one("derived", (dataset, split), what)
+        if not rows:
+            return None
+        parent, where, created, n, chash, phash = rows[0]
+        created = created.replace(tzinfo=_dt.timezone.utc) if created is not None else None
+        return DerivedSplit(dataset, split, where, parent, created, n, chash, phash)
+
+    async def put_derived(self, record: DerivedSplit) -> None:
+        check_name("dataset", record.dataset)
+        check_name("split", record.name)
+        r = record
+        what = f"write derived split {r.dataset}/{r.name}"
+        if not await self._prepare_derived("put_derived", what):
+            raise StoreError(
+                f"cassandra store {self._where}: table {self._opts.keyspace}.derived_splits does not exist "
+                f"(the keyspace predates derived splits); add it with: dataferry schema apply --store "
+                f"{redact_url(self.url)}"
+            )
+        row = (r.dataset, r.name, r.parent, r.where, r.created, r.num_ids, r.content_hash, r.parent_hash)
+        await self._one("put_derived", row, what)
 
     # --- write side -------------------------------------------------------------------
     async def _run_all(self, name: str, rows: Iterable[tuple], what: str) -> None:

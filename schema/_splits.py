@@ -10,15 +10,20 @@ split. Each split lists its ids sorted.
 
 from __future__ import annotations
 
+import asyncio
+import datetime as _dt
+import hashlib
 import math
+import sys
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ._errors import ConfigError
+from ._errors import ConfigError, SplitNotFound
 from ._model import ALL_SPLIT, IdList, check_name
 
-__all__ = ["make_splits", "parse_ratios", "split_counts"]
+__all__ = ["make_splits", "parse_ratios", "split_counts", "DerivedSplit", "derive_split", "content_hash", "derived_name"]
 
 _TOLERANCE = 1e-6
 
@@ -108,3 +113,157 @@ def make_splits(
         idx = np.sort(np.concatenate(parts)) if parts else np.empty(0, np.int64)
         out[name] = IdList(ids[idx], labels[idx])
     return out
+
+
+# --- derived splits ------------------------------------------------------------------------------
+#: ids per metadata read, and how many such reads run at once (so the store's
+#: pipeline never drains between chunks; the store bounds its own requests)
+_META_CHUNK = 4096
+_META_CHUNKS_AT_ONCE = 4
+
+
+def content_hash(idlist: IdList) -> str:
+    """A split's content in 32 hex digits: its ids and labels, in stored order."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(idlist.ids.astype("<i8").tobytes())
+    h.update(idlist.labels.astype("<i4").tobytes())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class DerivedSplit:
+    """A split computed from a filter, as stored next to its id list."""
+
+    dataset: str
+    name: str
+    where: str  # the filter, as given
+    parent: str  # the split it was computed from
+    created: _dt.datetime
+    num_ids: int
+    content_hash: str  # of the derived split (content_hash)
+    parent_hash: str  # of the parent when it was computed
+    #: True when derive_split found it stored and up to date (not stored)
+    reused: bool = False
+
+    def to_json(self) -> dict:
+        return {
+            "dataset": self.dataset, "name": self.name, "where": self.where, "parent": self.parent,
+            "created": self.created.isoformat(), "num_ids": self.num_ids,
+            "content_hash": self.content_hash, "parent_hash": self.parent_hash, "reused": self.reused,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> DerivedSplit:
+        return cls(
+            str(d["dataset"]), str(d["name"]), str(d["where"]), str(d["parent"]),
+            _dt.datetime.fromisoformat(str(d["created"])), int(d["num_ids"]),
+            str(d["content_hash"]), str(d["parent_hash"]), bool(d.get("reused", False)),
+        )
+
+
+def derived_name(canonical: str, parent: str) -> str:
+    """The name ``Loader(where=...)`` gives a derived split: same filter and parent, same name."""
+    digest = hashlib.blake2b(f"{parent}\0{canonical}".encode(), digest_size=6).hexdigest()
+    return f"where-{digest}"
+
+
+async def derive_split(
+    store, dataset: str, where: str, *, name: str | None = None, parent: str = ALL_SPLIT,
+    progress: bool | None = None,
+) -> DerivedSplit:
+    """The split of ``parent``'s samples whose metadata match ``where``, stored as ``name``.
+
+    ``name`` defaults to :func:`derived_name`. A stored derived split of that
+    name with the same filter over an unchanged parent is returned as it is
+    (``reused``); otherwise the metadata is read and the split (re)written. A
+    name held by a split that is not derived (``all``, ``train`` from
+    ``dataferry split --ratios``) is refused. ``progress``: a tqdm bar on
+    stderr; ``None`` shows it when stderr is a TTY.
+    """
+    from ._filter import compile_filter, parse_filter
+
+    flt = parse_filter(where)  # a bad filter fails before any I/O
+    check_name("split", parent)
+    name = check_name("split", name if name is not None else derived_name(flt.canonical, parent))
+    if name in (ALL_SPLIT, parent):
+        raise ConfigError(f"a derived split cannot be named {name!r}: that is {'the reserved split' if name == ALL_SPLIT else 'its parent'}")
+    info = await store.get_dataset(dataset)
+    source = await store.read_split(dataset, parent)
+    parent_hash = content_hash(source)
+    old = await store.get_derived(dataset, name)
+    if old is None:
+        if name in {s.name for s in await store.list_splits(dataset)}:
+            raise ConfigError(
+                f"split {name!r} of dataset {dataset!r} exists and is not a derived split: choose another name"
+            )
+    elif old.parent == parent and old.parent_hash == parent_hash and _canonical(old.where) == flt.canonical:
+        try:
+            current = await store.read_split(dataset, name)
+        except SplitNotFound:
+            current = None
+        if current is not None and content_hash(current) == old.content_hash:
+            return replace(old, reused=True)
+    keep = compile_filter(flt, info.label_names)
+    picked = await _select(store, dataset, source, keep, progress, f"filter {dataset}/{parent}")
+    picked = IdList(source.ids[picked], source.labels[picked])
+    order = np.argsort(picked.ids, kind="stable")
+    result = IdList(picked.ids[order], picked.labels[order])
+    record = DerivedSplit(
+        dataset, name, where, parent, _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0),
+        len(result), content_hash(result), parent_hash,
+    )
+    # The record first: a split whose content disagrees with its record is
+    # recomputed, never reused, so an interrupted write is repaired by a re-run.
+    await store.put_derived(record)
+    await store.put_split(dataset, name, result)
+    return record
+
+
+def _canonical(where: str) -> str | None:
+    from ._filter import parse_filter
+
+    try:
+        return parse_filter(where).canonical
+    except ConfigError:
+        return None
+
+
+async def _select(store, dataset: str, source: IdList, keep, progress: bool | None, desc: str) -> np.ndarray:
+    """Positions in ``source`` whose metadata ``keep`` accepts (a sample without metadata is not kept)."""
+    from tqdm import tqdm
+
+    show = sys.stderr.isatty() if progress is None else progress
+    ids = source.ids.tolist()
+    starts = range(0, len(ids), _META_CHUNK)
+    mask = np.zeros(len(ids), dtype=bool)
+    bar = tqdm(total=len(ids), unit="samples", file=sys.stderr, disable=not show, desc=desc, leave=False)
+
+    async def one(start: int) -> None:
+        chunk = ids[start : start + _META_CHUNK]
+        metas = await store.read_meta(dataset, chunk)
+        for k, i in enumerate(chunk):
+            m = metas.get(i)
+            if m is not None and keep(m):
+                mask[start + k] = True
+        bar.update(len(chunk))
+
+    try:
+        pending: set[asyncio.Task] = set()
+        for start in starts:
+            if len(pending) >= _META_CHUNKS_AT_ONCE:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    t.result()
+            pending.add(asyncio.ensure_future(one(start)))
+        if pending:
+            done, _ = await asyncio.wait(pending)
+            for t in done:
+                t.result()
+            pending = set()
+    finally:
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        bar.close()
+    return np.flatnonzero(mask)

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ._errors import DatasetNotFound, SampleNotFound, SplitNotFound, StoreError, StoreTimeout, StoreUnavailable
 from ._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo, check_name
+from ._splits import DerivedSplit
 from ._store import FetchResult, SampleRecord
 from ._url import SqliteOptions
 
@@ -53,6 +54,16 @@ CREATE TABLE IF NOT EXISTS split_chunks (
     dataset TEXT NOT NULL, split TEXT NOT NULL, chunk INTEGER NOT NULL, ids BLOB NOT NULL, labels BLOB NOT NULL,
     PRIMARY KEY (dataset, split, chunk));
 """
+
+#: derived splits (``_splits.derive_split``); also created by the first
+#: ``put_derived``, so a file made before derived splits takes them too
+_DERIVED_DDL = """
+CREATE TABLE IF NOT EXISTS derived_splits (
+    dataset TEXT NOT NULL, split TEXT NOT NULL, parent TEXT NOT NULL, filter_text TEXT NOT NULL,
+    created TEXT NOT NULL, num_ids INTEGER NOT NULL, content_hash TEXT NOT NULL, parent_hash TEXT NOT NULL,
+    PRIMARY KEY (dataset, split));
+"""
+_DDL += _DERIVED_DDL
 
 _IN_LIMIT = 500  # ids per "IN (...)" for catalog-side lookups
 #: page cache per reader connection (SQLite's default is 2000 KiB). A sample
@@ -294,6 +305,38 @@ class SqliteStore:
             return out
 
         return await self._read(q)
+
+    async def get_derived(self, dataset: str, split: str) -> DerivedSplit | None:
+        """The derived-split record of ``split``, or None (also for a file made before derived splits)."""
+
+        def q(c):
+            try:
+                return c.execute(
+                    "SELECT parent, filter_text, created, num_ids, content_hash, parent_hash FROM derived_splits "
+                    "WHERE dataset=? AND split=?", (dataset, split),
+                ).fetchall()
+            except sqlite3.OperationalError as exc:
+                if "no such table" in str(exc):
+                    return []
+                raise
+
+        rows = await self._read(q)
+        if not rows:
+            return None
+        parent, where, created, n, chash, phash = rows[0]
+        return DerivedSplit(dataset, split, where, parent, _dt.datetime.fromisoformat(created), n, chash, phash)
+
+    async def put_derived(self, record: DerivedSplit) -> None:
+        check_name("dataset", record.dataset)
+        check_name("split", record.name)
+        r = record
+        row = (r.dataset, r.name, r.parent, r.where, r.created.isoformat(), r.num_ids, r.content_hash, r.parent_hash)
+
+        def w(c):
+            c.execute(_DERIVED_DDL)
+            c.execute("INSERT OR REPLACE INTO derived_splits VALUES (?,?,?,?,?,?,?,?)", row)
+
+        await self._write(w)
 
     # --- write side ----------------------------------------------------------
     async def existing(self, dataset: str, ids: Collection[int]) -> set[int]:

@@ -1,0 +1,389 @@
+"""Metadata filters and derived splits (issue 14, item 1).
+
+The parser (property tests against a reference evaluator, errors with
+positions), then the same filter over the same data on SQLite, on the real
+Cassandra 1.2 and through the real data service on loopback: the same ids
+everywhere. Then reuse, the resume refusal, and stratified splits of a
+derived split.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import fnmatch
+import json
+import sqlite3
+import uuid
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dataferry.schema import ConfigError, DatasetInfo, IdList, Sample, SampleMeta, SampleRecord, open_store, sample_id
+from dataferry.schema._cli import main as cli
+from dataferry.schema._errors import SplitNotFound, StoreError
+from dataferry.schema._filter import FilterError, compile_filter, glob_match, parse_filter
+from dataferry.schema._splits import content_hash, derive_split
+
+LABELS = ("cat", "dog", "eel", "fox")
+FORMATS = ("JPEG", "PNG", "WEBP")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def metas(dataset: str, n: int, seed: int = 0) -> list[SampleMeta]:
+    """``n`` varied metadata rows: every field takes several values, some tags missing."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(n):
+        label = int(rng.integers(0, len(LABELS)))
+        path = f"{LABELS[label]}/{'sub/' * int(rng.integers(0, 3))}{k}.{('jpg', 'png')[k % 2]}"
+        tags = {} if k % 3 == 0 else {"source": ("web", "lab", "it's")[k % 7 % 3], "year": str(2018 + k % 5)}
+        out.append(SampleMeta(
+            sample_id(dataset, path), label, path, FORMATS[int(rng.integers(0, 3))],
+            int(rng.integers(16, 2048)), int(rng.integers(16, 2048)), int(rng.integers(500, 200_000)), "0" * 64, tags,
+        ))
+    return out
+
+
+async def fill(store, dataset: str, rows: list[SampleMeta]) -> None:
+    recs = [SampleRecord(Sample(m.id, m.label, b"x" * 8), m) for m in rows]
+    for k in range(0, len(recs), 500):
+        await store.put_samples(dataset, recs[k : k + 500])
+    await store.put_dataset(DatasetInfo(dataset, LABELS, len(rows), dt.datetime(2024, 5, 1, tzinfo=dt.timezone.utc)))
+    await store.put_split(dataset, "all", IdList([m.id for m in rows], [m.label for m in rows]))
+
+
+# A reference evaluator written independently of the parser: plain Python over one row.
+FILTERS = {
+    'width >= 1024': lambda m: m.width >= 1024,
+    '256 <= width <= 1024 and height < 512': lambda m: 256 <= m.width <= 1024 and m.height < 512,
+    'label_name in ("cat", "eel") or format = "png"': lambda m: LABELS[m.label] in ("cat", "eel") or m.format == "PNG",
+    'not (size between 1000 and 100000)': lambda m: not 1000 <= m.size <= 100_000,
+    'path glob "dog/**/*.jpg"': lambda m: m.path.startswith("dog/") and m.path.endswith(".jpg"),
+    'path glob "*/sub/*"': lambda m: m.path.count("/") == 2 and m.path.split("/")[1] == "sub",
+    "tags.source = 'it''s' and tags.year >= \"2020\"": lambda m: m.tags.get("source") == "it's" and m.tags.get("year", "") >= "2020",
+    'tags.source != "web"': lambda m: m.tags.get("source") != "web",
+    'not tags.source exists and label != 0': lambda m: "source" not in m.tags and m.label != 0,
+    'label not in (1, 2) and format glob "?PEG"': lambda m: m.label not in (1, 2) and m.format == "JPEG",
+}
+
+
+# --- the parser ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", list(FILTERS))
+def test_each_filter_matches_the_reference_evaluator(text):
+    keep = compile_filter(parse_filter(text), LABELS)
+    rows = metas("d", 400)
+    got = [m.id for m in rows if keep(m)]
+    assert got == [m.id for m in rows if FILTERS[text](m)]
+    assert 0 < len(got) < len(rows)  # each filter is a real test on this data
+
+
+NUMBER_FIELDS = ("width", "height", "size", "label")
+ops = st.sampled_from(["=", "!=", "<", "<=", ">", ">="])
+
+
+@st.composite
+def expressions(draw, depth=0):
+    """(filter text, reference predicate) pairs, nested with and/or/not and parentheses."""
+    if depth < 3 and draw(st.booleans()):
+        kind = draw(st.sampled_from(["and", "or", "not"]))
+        a_text, a_fn = draw(expressions(depth + 1))
+        if kind == "not":
+            return f"NOT ({a_text})", (lambda m: not a_fn(m))
+        b_text, b_fn = draw(expressions(depth + 1))
+        if kind == "and":
+            return f"({a_text}) and ({b_text})", (lambda m: a_fn(m) and b_fn(m))
+        return f"({a_text})   Or ({b_text})", (lambda m: a_fn(m) or b_fn(m))
+    field = draw(st.sampled_from(NUMBER_FIELDS))
+    v = draw(st.integers(0, 2100))
+    op = draw(ops)
+    import operator
+
+    fn = {"=": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}[op]
+    if draw(st.booleans()):
+        return f"{field} {op} {v}", (lambda m: fn(getattr(m, field), v))
+    flipped = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}.get(op, op)
+    return f"{v} {flipped} {field}", (lambda m: fn(getattr(m, field), v))
+
+
+ROWS = metas("prop", 200, seed=3)
+
+
+@settings(max_examples=150, deadline=None)
+@given(expressions())
+def test_nested_expressions_agree_with_python(expr):
+    text, fn = expr
+    flt = parse_filter(text)
+    keep = compile_filter(flt, LABELS)
+    assert [keep(m) for m in ROWS] == [bool(fn(m)) for m in ROWS]
+    again = parse_filter(flt.canonical)  # the canonical text parses back to the same filter
+    assert again.canonical == flt.canonical
+    assert [compile_filter(again, LABELS)(m) for m in ROWS] == [bool(fn(m)) for m in ROWS]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=40))
+def test_any_text_parses_or_fails_with_a_position_inside_it(text):
+    try:
+        parse_filter(text)
+    except FilterError as exc:
+        assert 1 <= exc.position <= len(text) + 1
+        assert str(exc).startswith("filter: ") and f"at position {exc.position}" in str(exc)
+        assert "\n" not in str(exc)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="ab/*?", max_size=8), st.text(alphabet="ab/", max_size=10))
+def test_glob_agrees_with_fnmatch_per_segment(pattern, path):
+    """Without '**', a glob is fnmatch applied segment by segment."""
+    if not pattern or "**" in pattern:
+        return
+    pats, parts = pattern.split("/"), path.split("/")
+    want = len(pats) == len(parts) and all(fnmatch.fnmatchcase(p, q) for q, p in zip(pats, parts))
+    assert glob_match(pattern, path) == want
+
+
+def test_double_star_spans_segments():
+    assert glob_match("a/**/b", "a/b") and glob_match("a/**/b", "a/x/y/b") and not glob_match("a/**/b", "a/x/c")
+    assert glob_match("**", "x/y/z") and glob_match("**/*.jpg", "a.jpg") and not glob_match("*.jpg", "a/b.jpg")
+    assert glob_match("[a-c]?[!x]", "bqz") and not glob_match("[a-c]?[!x]", "bqx")
+
+
+def test_a_pathological_glob_stays_fast():
+    import time
+
+    t0 = time.perf_counter()
+    assert not glob_match("*a*a*a*a*a*a*a*a*b", "a" * 3000)
+    assert time.perf_counter() - t0 < 5  # backtracking regex would not finish; this is O(n * m)
+
+
+@pytest.mark.parametrize(
+    "text, position, reason",
+    [
+        ("width >= ", 10, "expected a value for width, found the end of the filter"),
+        ('width >= "big"', 10, 'width is a number, got the text "big"'),
+        ('label = "cat"', 9, "use label_name for the class name"),
+        ("path = 3", 8, "path is text, got the number 3"),
+        ("colour = 'red'", 1, "unknown field 'colour'"),
+        ("(width = 1", 11, "expected ')'"),
+        ("width = 1 height = 2", 11, "unexpected 'height' (join tests with 'and' or 'or')"),
+        ("width = 1 and", 14, "expected a field name, '(' or 'not', found the end of the filter"),
+        ("width @ 3", 7, "unexpected character '@'"),
+        ('path glob "[ab"', 11, "bad glob pattern"),
+        ("path = 'open", 8, "string is not closed"),
+        ("width between 1 or 2", 17, "expected 'and' between the two ends of the range"),
+        ("5 > width > 3", 11, "a chained range goes low to high"),
+        ("width not = 3", 11, "expected 'in', 'between' or 'glob' after 'not'"),
+        ("path exists", 1, "'exists' is for tags.KEY"),
+        ("label in (1, 2", 15, "expected ',' or ')' in the 'in' list"),
+        ("   ", 4, "the filter is empty"),
+    ],
+)
+def test_a_bad_filter_is_one_line_with_its_position(text, position, reason):
+    with pytest.raises(FilterError) as info:
+        parse_filter(text)
+    exc = info.value
+    assert isinstance(exc, ConfigError)
+    assert exc.position == position, str(exc)
+    assert reason in str(exc) and str(exc).endswith(f"at position {position}")
+    assert "\n" not in str(exc)
+    line, caret = exc.caret.splitlines()
+    assert caret.index("^") - 2 == position - 1 and len(line) >= 2 + len(text.rstrip())
+
+
+def test_deep_nesting_and_huge_filters_are_refused_not_crashing():
+    with pytest.raises(FilterError, match="nested more than"):
+        parse_filter("(" * 500 + "width = 1" + ")" * 500)
+    with pytest.raises(FilterError, match="not " * 0 + "nested more than"):
+        parse_filter("not " * 500 + "width = 1")
+    with pytest.raises(FilterError, match="limit is 8192"):
+        parse_filter("width = 1 or " * 1000 + "width = 2")
+
+
+def test_format_is_case_insensitive_and_canonical_text_normalises():
+    a, b = parse_filter('format == "jpeg"  AND width<>3'), parse_filter("format = 'JPEG' and width != 3")
+    assert a.canonical == b.canonical
+    m = SampleMeta(1, 0, "p", "JPEG", 1, 1, 1, "", {})
+    assert compile_filter(a, LABELS)(m)
+
+
+def test_label_name_of_an_unknown_label_is_missing():
+    keep = compile_filter(parse_filter('label_name != "cat"'), ("cat",))
+    assert keep(SampleMeta(1, 7, "p", "PNG", 1, 1, 1, "", {}))
+    assert not compile_filter(parse_filter('label_name glob "*"'), ("cat",))(SampleMeta(1, 7, "p", "PNG", 1, 1, 1, "", {}))
+
+
+# --- derived splits on each backend ---------------------------------------------------------------
+WHERE = 'width >= 512 and (label_name in ("cat", "dog") or tags.source = "lab") and not path glob "*/sub/**"'
+
+
+def expected_ids(rows: list[SampleMeta]) -> list[int]:
+    keep = compile_filter(parse_filter(WHERE), LABELS)
+    return sorted(m.id for m in rows if keep(m))
+
+
+@pytest.fixture(scope="module")
+def sqlite_store_url(tmp_path_factory):
+    path = tmp_path_factory.mktemp("filter") / "store.db"
+    url = f"sqlite://{path}"
+
+    async def go():
+        async with await open_store(url) as store:
+            await fill(store, "pets", metas("pets", 1500))
+
+    run(go())
+    return url
+
+
+def test_derived_split_on_sqlite_selects_the_reference_ids(sqlite_store_url):
+    async def go():
+        async with await open_store(sqlite_store_url) as store:
+            rec = await derive_split(store, "pets", WHERE, name="big-pets", progress=False)
+            stored = await store.read_split("pets", "big-pets")
+            again = await derive_split(store, "pets", " " + WHERE.replace("and", "AND"), name="big-pets", progress=False)
+            return rec, stored, again, await store.get_derived("pets", "big-pets")
+
+    rec, stored, again, got = run(go())
+    want = expected_ids(metas("pets", 1500))
+    assert stored.ids.tolist() == want and 100 < len(want) < 1400
+    label_of = {m.id: m.label for m in metas("pets", 1500)}
+    assert stored.labels.tolist() == [label_of[i] for i in want]
+    assert rec.num_ids == len(want) and rec.content_hash == content_hash(stored) and not rec.reused
+    assert rec.where == WHERE and rec.parent == "all" and rec.created.tzinfo is not None
+    assert again.reused and again.content_hash == rec.content_hash  # same filter, written differently
+    assert got == rec
+
+
+def test_a_changed_filter_or_parent_recomputes(tmp_path):
+    url = f"sqlite://{tmp_path / 's.db'}"
+    rows = metas("d", 300)
+
+    async def go():
+        async with await open_store(url) as store:
+            await fill(store, "d", rows)
+            a = await derive_split(store, "d", "width > 1000", name="x", progress=False)
+            b = await derive_split(store, "d", "width > 1500", name="x", progress=False)
+            more = metas("d", 340)  # ingest added samples: the parent changed
+            await fill(store, "d", more)
+            c = await derive_split(store, "d", "width > 1500", name="x", progress=False)
+            return a, b, c, await store.read_split("d", "x")
+
+    a, b, c, stored = run(go())
+    assert not b.reused and b.num_ids < a.num_ids
+    assert not c.reused and c.num_ids == sum(m.width > 1500 for m in metas("d", 340)) and len(stored) == c.num_ids
+
+
+def test_a_bad_filter_fails_before_touching_the_store(tmp_path):
+    async def go():
+        async with await open_store(f"sqlite://{tmp_path / 'none.db'}") as store:
+            await derive_split(store, "nope", "width >>= 3", progress=False)
+
+    with pytest.raises(FilterError, match="at position 8"):
+        run(go())
+
+
+def test_a_derived_name_cannot_take_an_ordinary_split(sqlite_store_url):
+    async def go():
+        async with await open_store(sqlite_store_url) as store:
+            await store.put_split("pets", "train", IdList([1], [0]))
+            await derive_split(store, "pets", "width > 3", name="train", progress=False)
+
+    with pytest.raises(ConfigError, match="split 'train' of dataset 'pets' exists and is not a derived split"):
+        run(go())
+    with pytest.raises(ConfigError, match="reserved"):
+        run(_derive(sqlite_store_url, "width > 3", "all"))
+
+
+async def _derive(url, where, name):
+    async with await open_store(url) as store:
+        return await derive_split(store, "pets", where, name=name, progress=False)
+
+
+def test_an_sqlite_file_made_before_derived_splits_gains_the_table(tmp_path):
+    path = tmp_path / "old.db"
+    url = f"sqlite://{path}"
+
+    async def make():
+        async with await open_store(url) as store:
+            await fill(store, "d", metas("d", 50))
+
+    run(make())
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP TABLE derived_splits")  # as a file from before this change
+
+    async def go():
+        async with await open_store(url, create=False) as store:
+            assert await store.get_derived("d", "x") is None
+            return await derive_split(store, "d", "width > 100", name="x", progress=False)
+
+    rec = run(go())
+    assert rec.num_ids == sum(m.width > 100 for m in metas("d", 50))
+
+
+# --- Cassandra 1.2 -----------------------------------------------------------------------------------
+@pytest.mark.cassandra
+def test_derived_split_on_cassandra_selects_the_same_ids_as_sqlite(cassandra_url, sqlite_store_url):
+    ds = f"pets_{uuid.uuid4().hex[:8]}"
+    rows = metas(ds, 1500)
+
+    async def go():
+        async with await open_store(cassandra_url) as store:
+            await fill(store, ds, rows)
+            rec = await derive_split(store, ds, WHERE, name="big-pets", progress=False)
+            again = await derive_split(store, ds, WHERE, name="big-pets", progress=False)
+            return rec, again, await store.read_split(ds, "big-pets"), await store.get_derived(ds, "big-pets")
+
+    rec, again, stored, got = run(go())
+    # the same dataset rows under another name have other ids: compare by path
+    path_of = {m.id: m.path for m in rows}
+    sqlite_paths = [m.path for m in metas("pets", 1500) if m.id in set(run(_read(sqlite_store_url, "big-pets")))]
+    assert sorted(path_of[i] for i in stored.ids.tolist()) == sorted(sqlite_paths)
+    assert stored.ids.tolist() == expected_ids(rows)
+    assert again.reused and got == rec and rec.content_hash == content_hash(stored)
+
+
+async def _read(url, split):
+    async with await open_store(url) as store:
+        try:
+            return (await store.read_split("pets", split)).ids.tolist()
+        except SplitNotFound:
+            await derive_split(store, "pets", WHERE, name=split, progress=False)
+            return (await store.read_split("pets", split)).ids.tolist()
+
+
+@pytest.mark.cassandra
+def test_a_keyspace_without_the_derived_table_opens_and_says_how_to_add_it(cassandra_server):
+    from dataferry.schema import parse_store_url
+    from dataferry.schema._ddl import apply_schema
+    from dataferry.schema._cqlconnect import connect
+
+    host, port = cassandra_server
+    url = f"cassandra://{host}:{port}/dfo_{uuid.uuid4().hex[:10]}"
+    opts = parse_store_url(url)
+    run(apply_schema(opts))
+    cluster, session, _ = connect(opts)
+    try:
+        session.execute(f"DROP TABLE {opts.keyspace}.derived_splits")  # as a keyspace from before this change
+    finally:
+        cluster.shutdown()
+
+    async def go():
+        async with await open_store(url) as store:
+            await fill(store, "d", metas("d", 20))
+            assert await store.get_derived("d", "x") is None
+            await derive_split(store, "d", "width > 1", name="x", progress=False)
+
+    with pytest.raises(StoreError, match=r"derived_splits does not exist .*dataferry schema apply --store"):
+        run(go())
+    run(apply_schema(opts))  # apply again: the table is added, the data kept
+
+    async def again():
+        async with await open_store(url) as store:
+            return await derive_split(store, "d", "width > 1", name="x", progress=False)
+
+    assert run(again()).num_ids == 20
