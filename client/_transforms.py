@@ -24,7 +24,7 @@ Targets (``TargetKind``), one kind per iterator:
 
 * ``"none"``: targets are ignored;
 * ``"mask"``: the target blob is a **single-channel 8-bit PNG** (colour type
-  0), pixel = class index, the same height and width as its image
+  0) or lossless JPEG 2000 (JP2, ``encode_mask(m, "jpeg2000")``), pixel = class index, the same height and width as its image
   (:func:`dataferry.schema.encode_mask` makes one). It is cropped, resized (nearest) and flipped
   with its image and comes out as ``uint8 [N, size, size]``. Palette PNGs are
   refused: DALI would expand the palette to colours, not indices;
@@ -180,6 +180,7 @@ def crop_windows(
 
 # --- headers -----------------------------------------------------------------------------
 _PNG = b"\x89PNG\r\n\x1a\n"
+_JP2 = b"\x00\x00\x00\x0cjP  \r\n\x87\n"  # the JPEG 2000 signature box
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 
 
@@ -200,15 +201,27 @@ def _jpeg_size(b: memoryview) -> tuple[int, int] | None:
     return None
 
 
+def _jp2_header(b: memoryview) -> tuple[int, int, int, int] | None:
+    """``(height, width, components, bits)`` from a JP2 file's image header box (it leads the header superbox)."""
+    head = bytes(b[:256])
+    i = head.find(b"ihdr")
+    if i < 0 or i + 15 > len(head):
+        return None
+    return (int.from_bytes(head[i + 4:i + 8], "big"), int.from_bytes(head[i + 8:i + 12], "big"),
+            int.from_bytes(head[i + 12:i + 14], "big"), (head[i + 14] & 0x7F) + 1)
+
+
 def image_size(data, what: str = "image") -> tuple[int, int]:
-    """``(height, width)`` from the header of an encoded image (JPEG and PNG
-    parsed here in microseconds, anything else by Pillow)."""
+    """``(height, width)`` from the header of an encoded image (JPEG, PNG and
+    JP2 parsed here in microseconds, anything else by Pillow)."""
     b = memoryview(data).cast("B")
     size = None
     if b[:2] == b"\xff\xd8":
         size = _jpeg_size(b)
     elif b[:8] == _PNG and b[12:16] == b"IHDR":
         size = (int.from_bytes(b[20:24], "big"), int.from_bytes(b[16:20], "big"))
+    elif b[:12] == _JP2 and (jp2 := _jp2_header(b)) is not None:
+        size = jp2[:2]
     if size is None:
         from PIL import Image
 
@@ -224,15 +237,24 @@ def image_size(data, what: str = "image") -> tuple[int, int]:
 
 
 def check_mask(data, hw: tuple[int, int], what: str) -> None:
-    """A mask must be an 8-bit single-channel PNG of its image's size."""
+    """A mask must be an 8-bit single-channel PNG or lossless JPEG 2000 (JP2) of its image's size."""
     b = memoryview(data).cast("B")
-    if b[:8] != _PNG or b[12:16] != b"IHDR" or len(b) < 26:
-        raise InvalidImage(what, "mask is not a PNG")
-    depth, colour = b[24], b[25]
-    if depth != 8 or colour != 0:
-        raise InvalidImage(what, f"mask must be an 8-bit single-channel PNG (colour type 0), "
-                                 f"not bit depth {depth} colour type {colour}")
-    mh, mw = int.from_bytes(b[20:24], "big"), int.from_bytes(b[16:20], "big")
+    if b[:12] == _JP2:
+        jp2 = _jp2_header(b)
+        if jp2 is None:
+            raise InvalidImage(what, "mask is a JP2 file without an image header")
+        mh, mw, components, bits = jp2
+        if components != 1 or bits != 8:
+            raise InvalidImage(what, f"mask must be 8-bit single-channel, not a JP2 of {components} "
+                                     f"component(s) of {bits} bits")
+    else:
+        if b[:8] != _PNG or b[12:16] != b"IHDR" or len(b) < 26:
+            raise InvalidImage(what, "mask is not a PNG or JP2")
+        depth, colour = b[24], b[25]
+        if depth != 8 or colour != 0:
+            raise InvalidImage(what, f"mask must be an 8-bit single-channel PNG (colour type 0), "
+                                     f"not bit depth {depth} colour type {colour}")
+        mh, mw = int.from_bytes(b[20:24], "big"), int.from_bytes(b[16:20], "big")
     if (mh, mw) != tuple(hw):
         raise InvalidImage(what, f"mask is {mw}x{mh}, its image {hw[1]}x{hw[0]}")
 

@@ -84,7 +84,9 @@ def _configure_ingest(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", nargs="?", metavar="SRC", help="ImageFolder directory, or a .csv/.jsonl manifest")
     p.add_argument("--dataset", required=True, help="dataset name")
     _store_arg(p)
-    p.add_argument("--format", choices=("jpeg", "png"), help="re-encode to this format (default: keep the bytes)")
+    p.add_argument("--format", choices=("jpeg", "png", "jpeg2000"),
+                   help="re-encode to this format (default: keep the bytes); jpeg2000 is lossless and decodes "
+                        "on the GPU through DALI (nvJPEG2000)")
     p.add_argument("--quality", type=_positive, default=90, help="JPEG quality when re-encoding (default: 90)")
     p.add_argument("--max-side", type=_positive, metavar="N", help="downscale so no side exceeds N (needs --format)")
     p.add_argument("--max-pixels", type=_positive, metavar="N", help="decompression-bomb limit (default: Pillow's)")
@@ -155,35 +157,69 @@ def _with_synthetic(args: argparse.Namespace, go: Callable[[str], int]) -> int:
 # --- split ----------------------------------------------------------------------
 
 
-@command("split", "make disjoint splits (train/val/...) of a dataset's samples")
+@command("split", "make disjoint splits (train/val/...) of a dataset, or a derived split from a metadata filter")
 def _configure_split(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", required=True, help="dataset name")
-    p.add_argument("--ratios", required=True, metavar="NAME=R,...", help="e.g. train=0.8,val=0.1,test=0.1")
+    p.add_argument("--where", metavar="FILTER",
+                   help='keep the samples whose metadata match FILTER, e.g. \'width >= 256 and label_name in ("cat", "dog")\' '
+                        "(the language: dataferry/schema/_filter.py), stored as the derived split --name")
+    p.add_argument("--name", metavar="NAME", help="the derived split's name (with --where)")
+    p.add_argument("--from", dest="parent", default=None, metavar="SPLIT",
+                   help="the split to filter (with --where) or to divide (with --ratios alone); default: all")
+    p.add_argument("--ratios", metavar="NAME=R,...",
+                   help="e.g. train=0.8,val=0.1,test=0.1; with --where, splits of the derived split")
     p.add_argument("--stratify", action="store_true", help="keep each label's proportions in every split")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed (default: 0)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     _store_arg(p)
     p.set_defaults(run=_run_split)
 
 
 def _run_split(args: argparse.Namespace) -> int:
     from ._model import ALL_SPLIT
-    from ._splits import make_splits, parse_ratios
+    from ._splits import derive_split, make_splits, parse_ratios
 
-    ratios = parse_ratios(args.ratios)
+    if args.where is None and args.ratios is None:
+        raise ConfigError("split needs --ratios (train=0.8,val=0.2), or --where FILTER --name NAME, or both")
+    if (args.where is None) != (args.name is None):
+        raise ConfigError("--where and --name go together: --where FILTER --name NAME")
+    ratios = parse_ratios(args.ratios) if args.ratios is not None else None
+    parent = args.parent or ALL_SPLIT
 
     async def go(store):
-        idlist = await store.read_split(args.dataset, ALL_SPLIT)
+        derived, source = None, parent
+        if args.where is not None:
+            derived = await derive_split(store, args.dataset, args.where, name=args.name, parent=parent,
+                                         progress=False if args.quiet else None)
+            source = derived.name
+        if ratios is None:
+            return derived, source, 0, {}, []
+        idlist = await store.read_split(args.dataset, source)
         splits = make_splits(idlist, ratios, stratify=args.stratify, seed=args.seed)
         for name, ids in splits.items():
             await store.put_split(args.dataset, name, ids)
         others = [s.name for s in await store.list_splits(args.dataset) if s.name not in splits and s.name != ALL_SPLIT]
-        return len(idlist), splits, others
+        return derived, source, len(idlist), splits, others
 
-    total, splits, others = _run(_with_store(args.store, go, create=False))
+    from ._filter import FilterError, parse_filter
+
+    try:
+        if args.where is not None:
+            parse_filter(args.where)  # a bad filter fails here, before the store is opened
+        derived, source, total, splits, others = _run(_with_store(args.store, go, create=False))
+    except FilterError as exc:  # the one-line error, and the filter pointed at under it
+        print(f"dataferry: error: {exc}\n{exc.caret}", file=sys.stderr)
+        return 2
+    if derived is not None:
+        how = "reused (same filter, parent unchanged)" if derived.reused else "made"
+        print(f"derived split {derived.name!r} of dataset {args.dataset!r}: {derived.num_ids} samples of split "
+              f"{derived.parent!r} match {derived.where!r}; {how}, content {derived.content_hash}")
+    if ratios is None:
+        return 0
     rows = [(name, len(ids), f"{len(ids) / total:.1%}" if total else "-") for name, ids in splits.items()]
-    print(f"dataset {args.dataset!r}: {total} samples split{' (stratified)' if args.stratify else ''}, seed {args.seed}")
+    print(f"split {args.dataset}/{source}: {total} samples split{' (stratified)' if args.stratify else ''}, seed {args.seed}")
     print(_table(("SPLIT", "SAMPLES", "SHARE"), rows))
-    if others:
+    if others and source == ALL_SPLIT:
         print(f"note: other splits left as they were and may overlap these: {', '.join(others)}")
     return 0
 

@@ -38,13 +38,17 @@ __all__ = [
     "validate_chunk",
     "validator_pool",
     "DEFAULT_MAX_PIXELS",
+    "LOSSLESS",
+    "encode_image",
 ]
 
 #: Pillow's own default limit (about 89.5 Mpx), pinned so it does not depend
 #: on whoever changed ``Image.MAX_IMAGE_PIXELS`` in this process.
 DEFAULT_MAX_PIXELS = 89_478_485
 
-_FORMATS = {"jpeg": "JPEG", "png": "PNG"}
+_FORMATS = {"jpeg": "JPEG", "png": "PNG", "jpeg2000": "JPEG2000"}
+#: formats that keep every pixel (``quality`` does not apply)
+LOSSLESS = frozenset({"png", "jpeg2000"})
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _PIXELS_RE = re.compile(r"\((\d+) pixels\)")
 
@@ -53,16 +57,17 @@ _PIXELS_RE = re.compile(r"\((\d+) pixels\)")
 class ValidateOptions:
     """How to store a valid image: ``format=None`` keeps the original bytes."""
 
-    format: str | None = None  # "jpeg" | "png" to re-encode
+    format: str | None = None  # "jpeg" | "png" | "jpeg2000" (lossless, GPU-decodable) to re-encode
     quality: int = 90  # JPEG quality when re-encoding
     max_side: int | None = None  # downscale (keeping aspect) so no side exceeds this
     max_pixels: int = DEFAULT_MAX_PIXELS  # decompression-bomb limit, per frame
 
     def __post_init__(self) -> None:
         if self.format is not None:
-            fmt = self.format.lower()
+            fmt = {"jp2": "jpeg2000", "j2k": "jpeg2000", "jpg": "jpeg"}.get(self.format.lower(), self.format.lower())
             if fmt not in _FORMATS:
-                raise ConfigError(f"unknown image format {self.format!r}; use jpeg or png (or none to keep bytes)")
+                raise ConfigError(f"unknown image format {self.format!r}; use jpeg, png or jpeg2000 "
+                                  "(or none to keep bytes)")
             object.__setattr__(self, "format", fmt)
         if not 1 <= self.quality <= 100:
             raise ConfigError(f"quality must be 1..100, got {self.quality}")
@@ -70,7 +75,7 @@ class ValidateOptions:
             if self.max_side < 1:
                 raise ConfigError(f"max_side must be positive, got {self.max_side}")
             if self.format is None:
-                raise ConfigError("max_side needs a format to re-encode to (jpeg or png)")
+                raise ConfigError("max_side needs a format to re-encode to (jpeg, png or jpeg2000)")
         if self.max_pixels < 1:
             raise ConfigError(f"max_pixels must be positive, got {self.max_pixels}")
 
@@ -205,7 +210,7 @@ def _to_storable(im: Image.Image, fmt: str) -> Image.Image:
     """Convert modes the target format cannot hold: CMYK, 16-bit, palette, alpha."""
     mode = im.mode
     if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
-        if fmt == "PNG" and mode.startswith("I;16"):
+        if fmt in ("PNG", "JPEG2000") and mode.startswith("I;16"):
             return im
         # scale a 16-bit (or wider) range down to 8 bits instead of clipping it
         hi = 65535 if mode.startswith("I;16") or (im.getextrema()[1] or 0) > 255 else 255
@@ -235,12 +240,32 @@ def _reencode(im: Image.Image, options: ValidateOptions) -> tuple[bytes, str, in
         size = (max(1, round(out.width * scale)), max(1, round(out.height * scale)))
         out = out.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
     buf = io.BytesIO()
-    params: dict = {"quality": options.quality} if fmt == "JPEG" else {"compress_level": 6}
+    params = _save_params(fmt, out.mode, options.quality)
     icc = im.info.get("icc_profile")
     if icc and out.mode == mode_in:  # a CMYK profile would lie about converted RGB
         params["icc_profile"] = icc
     out.save(buf, fmt, **params)
     return buf.getvalue(), fmt, out.width, out.height
+
+
+def _save_params(fmt: str, mode: str, quality: int) -> dict:
+    """Pillow's save options for ``fmt``. JPEG 2000 is written reversible
+    (the 5/3 wavelet and, for colour, the reversible colour transform, one
+    quality layer): lossless, in a JP2 container that DALI decodes on the GPU
+    with nvJPEG2000 and on the CPU with OpenJPEG, and Pillow with OpenJPEG."""
+    if fmt == "JPEG":
+        return {"quality": quality}
+    if fmt == "JPEG2000":
+        return {"irreversible": False, "mct": 1 if mode in ("RGB", "RGBA") else 0, "no_jp2": False}
+    return {"compress_level": 6}
+
+
+def encode_image(im: Image.Image, format: str, quality: int = 90) -> bytes:
+    """``im`` (already in a mode ``format`` holds) encoded as ``format`` (``jpeg``, ``png`` or ``jpeg2000``)."""
+    fmt = _FORMATS[format]
+    buf = io.BytesIO()
+    im.save(buf, fmt, **_save_params(fmt, im.mode, quality))
+    return buf.getvalue()
 
 
 # --- running it in worker processes ------------------------------------------
