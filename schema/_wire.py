@@ -68,6 +68,7 @@ __all__ = [
     "encode_error",
     "encode_end",
     "read_frames",
+    "FrameDecoder",
     "idlist_header",
     "idlist_parts",
     "decode_idlist",
@@ -145,41 +146,182 @@ class _Reader(Protocol):
     async def readexactly(self, n: int) -> bytes: ...
 
 
+_HEAD, _TARGET, _DATA, _ERROR, _DONE = range(5)
+
+
+class FrameDecoder:
+    """The records of a batch fetch response body, decoded incrementally.
+
+    Body bytes come in two ways: :meth:`feed` (copied out of the caller's
+    buffer), or straight into the record being read: :meth:`sink` gives the
+    writable view where the next body bytes belong (when at least
+    ``direct_min`` bytes of a payload are still due), and :meth:`sunk` says
+    how many were written there. So a reader can have the socket write a
+    sample's bytes where they will stay: no copy after the socket.
+
+    Decoded records wait in :attr:`records` (``ready_bytes`` of sample data)
+    until the caller takes them; :attr:`done` is set after END or ERROR.
+    ``alloc(n)`` gives ``(writable, readonly)`` views of ``n`` bytes for a
+    sample's data (the readonly one becomes ``Sample.data``); the default is a
+    ``bytearray`` of its own. Bytes that break the format raise WireFormatError.
+    """
+
+    __slots__ = ("dataset", "records", "ready_bytes", "done", "_max", "_alloc", "_min", "_head", "_stage",
+                 "_view", "_pos", "_end", "_rec", "_target")
+
+    def __init__(self, dataset: str, *, max_record: int = 1 << 30, alloc=None, direct_min: int = 1 << 13) -> None:
+        self.dataset = dataset
+        self.records: list[Sample | SampleNotFound | ErrorRecord | EndRecord] = []
+        self.ready_bytes = 0
+        self.done = False
+        self._max, self._alloc, self._min = max_record, alloc or _own_buffer, direct_min
+        self._head = bytearray()
+        self._stage = _HEAD
+        self._view: memoryview | None = None  # where the payload being read goes
+        self._pos = self._end = 0
+        self._rec: tuple = ()  # (id, label, public data view) of the sample being read
+        self._target: bytes | None = None
+
+    def wanted(self) -> int:
+        """Bytes still due for the header or payload being read (0 once done)."""
+        if self._stage == _HEAD:
+            return HEADER.size - len(self._head)
+        return self._end - self._pos if self._stage != _DONE else 0
+
+    def sink(self) -> memoryview | None:
+        """Where the next body bytes go directly, or None (then :meth:`feed`)."""
+        if self._stage == _DATA and self._end - self._pos >= self._min:
+            return self._view[self._pos : self._end]
+        return None
+
+    def sunk(self, n: int) -> None:
+        """``n`` bytes were written into the view :meth:`sink` gave."""
+        self._pos += n
+        if self._pos == self._end:
+            self._complete()
+
+    def feed(self, data) -> None:
+        """Decode ``data`` (bytes-like): all of it is taken."""
+        mv = memoryview(data)
+        n = len(mv)
+        i = 0
+        size = HEADER.size
+        while i < n:
+            stage = self._stage
+            if stage == _HEAD:
+                if not self._head and n - i >= size:
+                    self._header(mv, i)
+                    i += size
+                else:
+                    take = min(size - len(self._head), n - i)
+                    self._head += mv[i : i + take]
+                    i += take
+                    if len(self._head) == size:
+                        head, self._head = self._head, bytearray()
+                        self._header(head, 0)
+            elif stage == _DONE:
+                raise WireFormatError("bytes after the END record")
+            else:
+                take = min(self._end - self._pos, n - i)
+                self._view[self._pos : self._pos + take] = mv[i : i + take]
+                i += take
+                self._pos += take
+                if self._pos == self._end:
+                    self._complete()
+
+    def take(self) -> list[Sample | SampleNotFound | ErrorRecord | EndRecord]:
+        """The records decoded so far, handed over (the list is emptied)."""
+        out, self.records = self.records, []
+        self.ready_bytes = 0
+        return out
+
+    # --- the states ------------------------------------------------------------------
+    def _header(self, buf, at: int) -> None:
+        magic, version, kind, flags, id_, label, tlen, dlen = HEADER.unpack_from(buf, at)
+        if magic != MAGIC or version != VERSION or kind > END:
+            raise WireFormatError(f"bad record header {bytes(buf[at : at + 8]).hex()} (magic, version or kind)")
+        if tlen + dlen > self._max:
+            raise WireFormatError(f"record of {tlen + dlen} bytes exceeds the limit of {self._max}")
+        if kind == SAMPLE:
+            if not flags & _HAS_TARGET:
+                if tlen:
+                    raise WireFormatError(f"record of sample {id_} has target bytes but no target flag")
+                self._target = None
+                self._data(id_, label, dlen)
+            elif tlen:
+                self._rec = (id_, label, dlen)
+                self._expect(_TARGET, memoryview(bytearray(tlen)))
+            else:
+                self._target = b""
+                self._data(id_, label, dlen)
+        elif kind == NOT_FOUND:
+            self.records.append(SampleNotFound(self.dataset, id_))
+        elif kind == ERROR:
+            if dlen:
+                self._expect(_ERROR, memoryview(bytearray(dlen)))
+            else:
+                self._finish(ErrorRecord("store_error", ""))
+        else:
+            self._finish(EndRecord(id_))
+
+    def _data(self, id_: int, label: int, dlen: int) -> None:
+        if not dlen:
+            self.records.append(Sample(id_, label, b"", self._target))
+            return
+        writable, public = self._alloc(dlen)
+        self._rec = (id_, label, public)
+        self._expect(_DATA, writable)
+
+    def _expect(self, stage: int, view: memoryview) -> None:
+        self._stage, self._view, self._pos, self._end = stage, view, 0, len(view)
+
+    def _complete(self) -> None:
+        stage, view = self._stage, self._view
+        self._view = None
+        self._stage = _HEAD
+        if stage == _DATA:
+            id_, label, public = self._rec
+            self.records.append(Sample(id_, label, public, self._target))
+            self.ready_bytes += self._end
+        elif stage == _TARGET:
+            self._target = view.tobytes()
+            id_, label, dlen = self._rec
+            self._data(id_, label, dlen)
+        else:
+            raw = view.tobytes()
+            try:
+                doc = json.loads(raw)
+                rec = ErrorRecord(str(doc.get("error", "store_error")), str(doc.get("detail", "")))
+            except (ValueError, AttributeError):
+                rec = ErrorRecord("store_error", raw.decode("utf-8", "replace"))
+            self._finish(rec)
+
+    def _finish(self, rec: ErrorRecord | EndRecord) -> None:
+        self.records.append(rec)
+        self._stage = _DONE
+        self.done = True
+
+
+def _own_buffer(n: int) -> tuple[memoryview, memoryview]:
+    mv = memoryview(bytearray(n))
+    return mv, mv.toreadonly()
+
+
 async def read_frames(
     reader: _Reader, dataset: str, *, max_record: int = 1 << 30
 ) -> AsyncIterator[Sample | SampleNotFound | ErrorRecord | EndRecord]:
     """Decode records from ``reader`` as they arrive; stop after ERROR or END.
 
-    Each payload is read with one ``readexactly`` (one copy out of the
-    network buffers). A cut stream raises ``asyncio.IncompleteReadError`` (an
-    EOFError); a corrupt one WireFormatError. ``max_record`` bounds what one
-    record may make the reader allocate.
+    A :class:`FrameDecoder` fed with ``readexactly`` of what it still wants.
+    A cut stream raises ``asyncio.IncompleteReadError`` (an EOFError); a
+    corrupt one WireFormatError. ``max_record`` bounds what one record may
+    make the reader allocate.
     """
-    size = HEADER.size
-    while True:
-        head = await reader.readexactly(size)
-        magic, version, kind, flags, id_, label, tlen, dlen = HEADER.unpack(head)
-        if magic != MAGIC or version != VERSION or kind > END:
-            raise WireFormatError(f"bad record header {head[:8].hex()} (magic, version or kind)")
-        if tlen + dlen > max_record:
-            raise WireFormatError(f"record of {tlen + dlen} bytes exceeds the limit of {max_record}")
-        if kind == SAMPLE:
-            target = (await reader.readexactly(tlen) if tlen else b"") if flags & _HAS_TARGET else None
-            data = await reader.readexactly(dlen) if dlen else b""
-            yield Sample(id_, label, data, target)
-        elif kind == NOT_FOUND:
-            yield SampleNotFound(dataset, id_)
-        elif kind == ERROR:
-            raw = await reader.readexactly(dlen) if dlen else b"{}"
-            try:
-                doc = json.loads(raw)
-                yield ErrorRecord(str(doc.get("error", "store_error")), str(doc.get("detail", "")))
-            except (ValueError, AttributeError):
-                yield ErrorRecord("store_error", raw.decode("utf-8", "replace"))
-            return
-        else:
-            yield EndRecord(id_)
-            return
+    dec = FrameDecoder(dataset, max_record=max_record, direct_min=1 << 62)
+    while not dec.done:
+        dec.feed(await reader.readexactly(dec.wanted()))
+        for rec in dec.take():
+            yield rec
 
 
 # --- split id lists --------------------------------------------------------------------
