@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import gc
 import os
 import statistics
 import tempfile
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 from dataferry.schema._table import format_table
 
 __all__ = ["Measurement", "measure_loader", "prepared_store", "median_of", "table", "cpu_seconds", "announced",
-           "data_server", "all_ids"]
+           "data_server", "all_ids",
+           "live_descendants"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,8 +26,13 @@ class Measurement:
     bytes: int
     seconds: float  # steady state: from the first batch to the last
     first_batch: float  # seconds from start to the first batch
-    cpu: float  # client CPU seconds over the whole run, reaped child processes (DataLoader workers) included
+    cpu: float  # client CPU seconds over the whole run, its child processes (DataLoader workers) included
     first_samples: int = 0  # samples in the first batch
+    #: requests (or streams) in flight: the mean and peak over the run, as the loader reports them
+    #: (:func:`measure_loader`); None where it reports none
+    inflight: float | None = None
+    inflight_peak: float | None = None
+    per_request: float | None = None  # samples a request carries, on average
 
     @property
     def samples_per_s(self) -> float:
@@ -40,18 +48,66 @@ class Measurement:
         return self.cpu / max(self.samples + self.first_samples, 1) * 1000
 
 
-def cpu_seconds() -> float:
+def cpu_seconds(*, exclude: frozenset[int] = frozenset()) -> float:
+    """CPU seconds (user + system) of this process and its descendants so far,
+    but for the live ones in ``exclude`` (and theirs: servers started before a
+    measurement).
+
+    ``os.times()`` counts this process and its *reaped* children; a child still
+    running (a persistent DataLoader worker, with the ``curl`` it reaped
+    counted in its own children's times) is read from ``/proc``. A process is
+    counted once: alive in ``/proc``, or reaped in ``os.times()``.
+    """
+    live = sum(cpu for pid, cpu in _live_descendants().items() if pid not in exclude)
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return t.user + t.system + t.children_user + t.children_system + live
+
+
+def live_descendants() -> frozenset[int]:
+    """The pids of this process's live descendants."""
+    return frozenset(_live_descendants())
+
+
+def _live_descendants() -> dict[int, float]:
+    """pid -> CPU seconds of each live descendant of this process, with the
+    children it has reaped, not counting those of its own live descendants
+    (Linux ``/proc``; none where there is none)."""
+    children: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        names = [n for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return {}
+    for name in names:
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        # fields[0] is the state (field 3): ppid is field 4, utime..cstime fields 14-17
+        children.setdefault(int(fields[1]), []).append(int(name))
+        cpu[int(name)] = sum(int(f) for f in fields[11:15]) / tick
+    found: dict[int, float] = {}
+    todo = list(children.get(os.getpid(), ()))
+    while todo:
+        pid = todo.pop()
+        found[pid] = cpu[pid]
+        todo += children.get(pid, ())
+    return found
 
 
 def measure_loader(make: Callable[[], Iterator], *, seconds: float, max_samples: int) -> Measurement:
     """Iterate the batches of ``make()`` for about ``seconds`` (or ``max_samples``).
 
     Each batch is ``(n_samples, n_bytes)``. Throughput is counted from the first batch to the last, so it is
-    the steady state; the time to first batch is reported on its own. CPU covers the whole run, closing included.
+    the steady state; the time to first batch is reported on its own. ``max_samples`` counts the first batch's
+    samples too. CPU covers the whole run, closing included, and every process the loader started. Where the
+    iterator has ``in_flight() -> (mean, peak, samples per request)``, the measurement carries it (read before
+    closing).
     """
-    c0 = cpu_seconds()
+    servers = live_descendants()  # started before the run: not the loader's
+    c0 = cpu_seconds(exclude=servers)
     t0 = time.perf_counter()
     first = last = None
     samples = nbytes = first_samples = 0
@@ -65,15 +121,20 @@ def measure_loader(make: Callable[[], Iterator], *, seconds: float, max_samples:
             else:
                 samples += n
                 nbytes += b
-            if last - first >= seconds or samples >= max_samples:
+            if last - first >= seconds or samples + first_samples >= max_samples:
                 break
+        probe = getattr(it, "in_flight", None)
+        inflight = probe() if probe is not None else (None, None, None)
     finally:
         close = getattr(it, "close", None)
         if close is not None:
-            close()  # its CPU counts (workers are reaped here), its time does not: a worker may finish a batch first
+            close()  # its CPU counts, its time does not: a worker may finish a batch first
+        del it
+        gc.collect()  # a DataLoader in a reference cycle shuts its persistent workers down here
     if first is None:
         first = last = time.perf_counter()
-    return Measurement(samples, nbytes, last - first, first - t0, cpu_seconds() - c0, first_samples)
+    return Measurement(samples, nbytes, last - first, first - t0, cpu_seconds(exclude=servers) - c0, first_samples,
+                       *inflight)
 
 
 def median_of(runs: list[Measurement]) -> Measurement:
@@ -83,7 +144,7 @@ def median_of(runs: list[Measurement]) -> Measurement:
     # the run whose throughput is the median, with median first-batch and CPU
     ordered = sorted(runs, key=lambda r: r.samples_per_s)
     mid = ordered[len(ordered) // 2]
-    return Measurement(mid.samples, mid.bytes, mid.seconds, med(lambda r: r.first_batch), mid.cpu, mid.first_samples)
+    return dataclasses.replace(mid, first_batch=med(lambda r: r.first_batch))
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:

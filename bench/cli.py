@@ -1,13 +1,13 @@
 """``dataferry bench``: every loader against RTT, loss and link rate; a table and plots.
 
-    dataferry bench --quick                 # about 3.5 minutes: 3 RTTs, 2 runs each, 600 images
-    dataferry bench                         # the full sweep (see bench/results/README.md)
+    dataferry bench --quick                 # a few minutes: RTT 0 and 50 ms, 2 runs each, 1,000 images
+    dataferry bench                         # the full sweep, about 30 minutes (see bench/results/README.md)
     sudo dataferry bench --link veth        # a real link-wide rate (tbf), the delay by the proxy
     sudo dataferry bench --link netem       # kernel shaping in namespaces, loss included
 
 Results go to ``--out`` (default ``bench-results/``): ``runs.csv``,
 ``summary.json``, ``table.md``, ``throughput.png``, ``first_batch.png``,
-``cpu.png``. Exit status 0; 1 when some run failed (its error is in
+``cpu.png``, ``inflight.png``. Exit status 0; 1 when some run failed (its error is in
 ``runs.csv``); 2 for bad options; 3 for ``--link netem`` on a kernel without
 ``sch_netem`` (with a pointer to ``--link proxy`` and ``--link veth``).
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 __all__ = ["add_cli_arguments", "cli", "QUICK"]
 
 #: what --quick changes (options given explicitly win)
-QUICK = {"images": 600, "rtts": (0, 20, 50), "rates": (None,), "repeats": 2, "seconds": 2.0}
+QUICK = {"images": 1000, "rtts": (0, 50), "rates": (None,), "repeats": 2, "seconds": 2.0}
 EXIT_NO_NETEM = 3
 
 
@@ -41,31 +41,40 @@ def _rates(text: str) -> tuple[str | None, ...]:
 
 def add_cli_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="a short run: 600 images, RTT 0,20,50, unlimited rate, 2 runs of 2 s (about 3.5 minutes)")
+                   help="a short run: 1,000 images, RTT 0,50, 2 runs of at most 2 s (a few minutes)")
     p.add_argument("--out", default="bench-results", metavar="DIR", help="where results go (default: bench-results)")
     p.add_argument("--link", choices=("proxy", "veth", "netem"), default="proxy",
                    help="proxy: latency-proxy processes on loopback (default; no loss; the rate caps each connection); "
                         "veth: network namespaces, a tbf link rate and latency proxies for the delay (root; no loss); "
                         "netem: network namespaces shaped by tc netem (root and sch_netem); see deploy/netem/")
     g = p.add_argument_group("the sweep (defaults: the full sweep)")
-    g.add_argument("--rtt", type=_floats, dest="rtts", metavar="MS,...", help="round-trip times (default: 0,10,50,100,200)")
+    g.add_argument("--rtt", type=_floats, dest="rtts", metavar="MS,...", help="round-trip times (default: 0,50,100,200)")
     g.add_argument("--loss", type=_floats, dest="losses", metavar="PCT,...",
-                   help="packet loss per direction, %% (default: 0,0.1; above 0 needs --link netem)")
+                   help="packet loss per direction, %% (default: 0; above 0 needs --link netem)")
     g.add_argument("--rate", type=_rates, dest="rates", metavar="RATE,...",
-                   help="link rates, tc style (default: unlimited,1gbit)")
+                   help="link rates, tc style, e.g. unlimited,1gbit (default: unlimited)")
     g.add_argument("--jitter", type=float, dest="jitter_ms", metavar="MS", help="delay jitter per direction (default: 0)")
     g.add_argument("--loaders", type=lambda t: tuple(t.split(",")), metavar="NAME,...",
-                   help="default: http-ooo,http-inorder,http-naive,cql-ooo,cql-inorder,cql-naive,webdataset")
+                   help="default: http-ooo,http-inorder,http-concurrent,http-naive,cql-ooo,cql-inorder,cql-naive,"
+                        "webdataset,mosaic,litdata")
     g.add_argument("--no-cql", action="store_true", help="leave out the CQL loaders (and Cassandra)")
-    g.add_argument("--images", type=int, help="synthetic ~110 KB JPEGs (default: 2000)")
+    g.add_argument("--images", type=int, help="synthetic ~110 KB JPEGs (default: 20000)")
     g.add_argument("--repeats", type=int, help="runs per loader and condition; the medians are reported (default: 3)")
-    g.add_argument("--seconds", type=float, help="steady-state seconds per run (default: 5)")
+    g.add_argument("--seconds", type=float, help="steady-state seconds per run, at most one epoch (default: 4)")
+    g.add_argument("--max-samples", type=int, help="samples per run at most, first batch included "
+                                                   "(default: one epoch, --images)")
     g.add_argument("--batch-size", type=int, help="samples per batch, every loader (default: 64)")
-    g.add_argument("--workers", type=int, help="DataLoader workers of the naive and WebDataset loaders "
-                                               "(default: 4, at most the cores)")
+    g.add_argument("--workers", type=int, help="DataLoader workers of WebDataset, MosaicML Streaming and LitData "
+                                               "(default: 4)")
+    g.add_argument("--naive-workers", type=int, help="DataLoader workers of http-naive and cql-naive, "
+                                                     "one request in flight each (default: 16)")
+    g.add_argument("--concurrent-workers", type=int, help="DataLoader workers of http-concurrent (default: 4)")
+    g.add_argument("--pool", type=int, help="requests in flight per http-concurrent worker (default: 16)")
     g.add_argument("--inflight", type=int, help="the engine's max requests in flight (default: 64)")
     g.add_argument("--concurrency", type=int, help="CQL requests in flight per store (default: 768)")
-    g.add_argument("--shard-mb", type=float, help="WebDataset shard size, MB (default: 100, and >= 2 shards per worker)")
+    g.add_argument("--shard-mb", type=float, help="shard size of WebDataset, MosaicML Streaming and LitData, MB "
+                                                  "(default: 100; smaller only where the dataset has less than "
+                                                  "one such shard per worker)")
     p.add_argument("--netem-prefix", default="dfbench", help="name of the netem topology (default: dfbench)")
 
 
@@ -106,8 +115,8 @@ def command_line(args: argparse.Namespace) -> str:
         if value is not None:
             words += [flag, ",".join("unlimited" if v is None else f"{v:g}" if isinstance(v, float) else v
                                      for v in value)]
-    for key in ("jitter_ms", "images", "repeats", "seconds", "batch_size", "workers", "inflight", "concurrency",
-                "shard_mb"):
+    for key in ("jitter_ms", "images", "repeats", "seconds", "max_samples", "batch_size", "workers", "naive_workers",
+                "concurrent_workers", "pool", "inflight", "concurrency", "shard_mb"):
         value = getattr(args, key)
         if value is not None:
             flag = "--jitter" if key == "jitter_ms" else "--" + key.replace("_", "-")

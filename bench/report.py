@@ -2,10 +2,13 @@
 
     python -m dataferry.bench.report bench/results     # re-render from bench/results/summary.json
 
-Tables pivot one measure by loader (rows) and RTT (columns) for each rate and
-loss; the plots draw each loader against RTT, one colour per loader and one
-line style per rate and loss, on log scales (the loaders differ by orders of
-magnitude). Matplotlib runs headless (Agg).
+Tables pivot one measure by loader (rows, labelled with their concurrency)
+and RTT (columns) for each rate and loss: throughput, time to first batch,
+client CPU per 1,000 samples and requests or streams in flight; one more
+puts ours out of order and in order side by side. The plots draw each loader
+against RTT, one colour per loader and one line style per rate and loss, on
+log scales (the loaders differ by orders of magnitude). Matplotlib runs
+headless (Agg).
 """
 
 from __future__ import annotations
@@ -23,10 +26,25 @@ MEASURES = {
     "samples_per_s": ("Throughput", "samples/s", lambda v: f"{v:,.0f}" if v >= 10 else f"{v:.1f}"),
     "first_batch_s": ("Time to first batch", "s", lambda v: f"{v:.2f}"),
     "cpu_per_1k": ("Client CPU per 1,000 samples", "CPU s", lambda v: f"{v:.2f}"),
+    "inflight": ("Requests or streams in flight", "mean", lambda v: f"{v:,.0f}" if v >= 10 else f"{v:.1f}"),
 }
+#: the plot of each measure
+PLOTS = {"samples_per_s": "throughput", "first_batch_s": "first_batch", "cpu_per_1k": "cpu", "inflight": "inflight"}
+#: ours in order next to ours out of order
+_ORDERS = (("http-ooo", "http-inorder"), ("cql-ooo", "cql-inorder"))
 
-_COLOURS = {"http-ooo": "#08519c", "http-inorder": "#6baed6", "http-naive": "#de2d26", "cql-ooo": "#006d2c",
-            "cql-inorder": "#74c476", "cql-naive": "#fc9272", "webdataset": "#6a51a3"}
+_COLOURS = {"http-ooo": "#08519c", "http-inorder": "#6baed6", "http-concurrent": "#ff7f00", "http-naive": "#de2d26",
+            "cql-ooo": "#006d2c", "cql-inorder": "#74c476", "cql-naive": "#fc9272", "webdataset": "#6a51a3",
+            "mosaic": "#8c510a", "litdata": "#e7298a"}
+
+
+def _seconds(doc: dict) -> float:
+    """The steady-state window a run asks for: a shorter one means it reached ``max_samples`` (one epoch) first."""
+    return doc["options"]["seconds"]
+
+
+def _label(doc: dict, loader: str) -> str:
+    return doc.get("labels", {}).get(loader, loader)
 
 
 def _series(doc: dict) -> list[tuple[str, float]]:
@@ -43,12 +61,21 @@ def _rows(doc: dict, rate: str, loss: float) -> list[dict]:
     return [r for r in doc["summary"] if (r["rate"] or "unlimited") == rate and r["loss_pct"] == loss]
 
 
-def _cell(row: dict | None, key: str) -> str:
+def _cell(row: dict | None, key: str, seconds: float = 0.0) -> str:
     if row is None:
         return "-"
-    if row[key] is None:
+    if row.get(key) is None:
+        if row["status"] == "ok":
+            return "-"  # measured, but this figure not reported
         return "n/a" if row["status"].startswith("n/a") else "failed"
-    return MEASURES[key][2](row[key])
+    text = MEASURES[key][2](row[key])
+    if key == "inflight" and (row.get("per_request") or 1) > 1.5:
+        text += f" x{row['per_request']:.0f}"  # requests of several samples each
+    if key == "samples_per_s" and row.get("within_epoch") is False:
+        text += "*"
+    if key == "samples_per_s" and row.get("window_s") is not None and row["window_s"] < seconds:
+        text += "†"
+    return text
 
 
 def _pivot(doc: dict, key: str, rate: str, loss: float) -> str:
@@ -63,7 +90,7 @@ def _pivot(doc: dict, key: str, rate: str, loss: float) -> str:
     for loader in doc["loaders"]:
         if not any((loader, rtt) in by for rtt in rtts):
             continue
-        line = [loader, *(_cell(by.get((loader, rtt)), key) for rtt in rtts)]
+        line = [_label(doc, loader), *(_cell(by.get((loader, rtt)), key, _seconds(doc)) for rtt in rtts)]
         if keep:
             first, last = by.get((loader, rtts[0])), by.get((loader, rtts[-1]))
             ok = first and last and first[key] and last[key] is not None
@@ -72,25 +99,60 @@ def _pivot(doc: dict, key: str, rate: str, loss: float) -> str:
     return table(header, body)
 
 
+def _orders(doc: dict, rate: str, loss: float) -> str | None:
+    """Ours out of order and in order side by side, per RTT (samples/s)."""
+    rows = _rows(doc, rate, loss)
+    by = {(r["loader"], r["rtt_ms"]): r for r in rows}
+    pairs = [pair for pair in _ORDERS if all(any(r["loader"] == n for r in rows) for n in pair)]
+    if not pairs:
+        return None
+    header = ["RTT"]
+    for ooo, inorder in pairs:
+        header += [f"{ooo} samples/s", f"{inorder} samples/s", "in order / out of order"]
+    body = []
+    for rtt in sorted({r["rtt_ms"] for r in rows}):
+        line = [f"{rtt:g} ms"]
+        for ooo, inorder in pairs:
+            a, b = by.get((ooo, rtt)), by.get((inorder, rtt))
+            ok = a and b and a["samples_per_s"] and b["samples_per_s"] is not None
+            line += [_cell(a, "samples_per_s", _seconds(doc)), _cell(b, "samples_per_s", _seconds(doc)),
+                     f"{b['samples_per_s'] / a['samples_per_s']:.0%}" if ok else "-"]
+        body.append(line)
+    return table(header, body)
+
+
 def render_markdown(doc: dict) -> str:
     meta, opts = doc["meta"], doc["options"]
+    workers = (f"DataLoader workers: naive {opts['naive_workers']}, concurrent {opts['concurrent_workers']} x "
+               f"{opts['pool']} threads, WebDataset/Streaming/LitData {opts['workers']}" if "naive_workers" in opts
+               else f"DataLoader workers {opts['workers']}")
+    longer = [r for r in doc["summary"] if r.get("within_epoch") is False]
+    shorter = [r for r in doc["summary"] if r.get("window_s") is not None and r["window_s"] < _seconds(doc)]
     out = [
         "# `dataferry bench` results",
         "",
         f"{meta.get('date', '')}; {meta.get('machine', '')}; link: **{meta['link']}**; "
         f"{meta['images']} synthetic JPEGs of {meta['mean_kb']:.0f} KB mean ({meta['dataset_mb']:.0f} MB)"
         + (f", WebDataset in {meta['shards']} shards of {meta['shard_mb']:.0f} MB" if "shards" in meta else "")
-        + f"; batch {opts['batch_size']}; DataLoader workers {opts['workers']}. Each cell is the median of "
-        f"{opts['repeats']} runs of {opts['seconds']:g} s (steady state, after the first batch). "
-        f"The sweep took {meta['total_s'] / 60:.1f} min.",
+        + f"; batch {opts['batch_size']}; {workers}. Each cell is the median of "
+        f"{opts['repeats']} runs of {opts['seconds']:g} s (steady state, after the first batch)"
+        + (", each reading at most one epoch" if opts.get("max_samples", 0) is None else "")
+        + f". The sweep took {meta['total_s'] / 60:.1f} min.",
         "",
         f"Command: `{meta.get('command', '')}`",
         "",
         *(["Through `--link proxy` a rate caps each TCP connection on its own, not the link (`--link veth` and "
            "`--link netem` cap the link).", ""] if meta["link"] == "proxy" and any(r["rate"] for r in doc["summary"])
           else []),
-        *(f"- `{name}`: {text}" for name, text in doc["loaders"].items()
+        *(f"- `{_label(doc, name)}`: {text}" for name, text in doc["loaders"].items()
           if any(r["loader"] == name for r in doc["summary"])),
+        *(["", "In flight, per loader: " + "; ".join(f"`{name}` {basis}" for name, basis in doc["in_flight"].items())
+           + ". `x N`: each request carries N samples on average."] if doc.get("in_flight") else []),
+        *(["", "`*`: the run read more than one epoch's samples (a loader may have re-read what it cached)."]
+          if longer else []),
+        *(["", f"`†`: the run reached one epoch in less than {opts['seconds']:g} s: a short window, so its "
+               "figure is rough (and a loader whose workers deliver their batches together looks faster than it is)."]
+          if shorter else []),
     ]
     series = _series(doc)
     base = series[0]
@@ -104,11 +166,14 @@ def render_markdown(doc: dict) -> str:
         for key in keys:
             title, unit, _ = MEASURES[key]
             out += ["", f"## {title} ({unit}): rate {rate}, loss {loss:g}%", "", _pivot(doc, key, rate, loss)]
+            orders = _orders(doc, rate, loss) if key == "samples_per_s" else None
+            if orders:
+                out += ["", f"## Out of order and in order (samples/s): rate {rate}, loss {loss:g}%", "", orders]
     return "\n".join(out) + "\n"
 
 
 def write_plots(doc: dict, out: Path) -> list[Path]:
-    """throughput.png, first_batch.png and cpu.png under ``out``."""
+    """throughput.png, first_batch.png, cpu.png and inflight.png under ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -119,14 +184,15 @@ def write_plots(doc: dict, out: Path) -> list[Path]:
     series = [s for s in _series(doc) if any(r["status"] == "ok" for r in _rows(doc, *s))]
     meta = doc["meta"]
     paths = []
-    for key, name in (("samples_per_s", "throughput"), ("first_batch_s", "first_batch"), ("cpu_per_1k", "cpu")):
+    for key, name in PLOTS.items():
         title, unit, _ = MEASURES[key]
         fig, ax = plt.subplots(figsize=(7.5, 4.6), dpi=100)
         loaders = []
         for (rate, loss), style in zip(series, styles):
             rows = _rows(doc, rate, loss)
             for loader in doc["loaders"]:
-                points = sorted((r["rtt_ms"], r[key]) for r in rows if r["loader"] == loader and r[key] is not None)
+                points = sorted((r["rtt_ms"], r[key]) for r in rows
+                                if r["loader"] == loader and r.get(key) is not None)
                 if not points:
                     continue
                 if loader not in loaders:
@@ -140,7 +206,8 @@ def write_plots(doc: dict, out: Path) -> list[Path]:
         ax.set_xticks(rtts)
         ax.grid(True, which="major", alpha=0.3)
         ax.set_title(f"{title}, {meta['images']} images of {meta['mean_kb']:.0f} KB, link: {meta['link']}", fontsize=10)
-        handles = [Line2D([], [], color=_COLOURS.get(n), marker="o", markersize=3.5, label=n) for n in loaders]
+        handles = [Line2D([], [], color=_COLOURS.get(n), marker="o", markersize=3.5, label=_label(doc, n))
+                   for n in loaders]
         if len(series) > 1:
             handles += [Line2D([], [], color="grey", linestyle=st, label=f"{rate}, loss {loss:g}%")
                         for (rate, loss), st in zip(series, styles)]

@@ -6,16 +6,23 @@ a burst of noise from a neighbour does not land on one loader's runs only.
 Each run happens in a fresh process (forked from a forkserver that has the
 loaders imported) and measures (:func:`~._common.measure_loader`) the
 steady-state throughput from the first batch to the last, the time to the
-first batch, and the client's CPU seconds per 1,000 samples, its DataLoader
-workers included. Servers and link emulators run in processes of their own,
-so their CPU is not the client's. A run that fails is
-recorded with its error and the sweep goes on; a condition the link cannot
-emulate (loss through the proxy) is recorded as not applicable.
+first batch, the client's CPU seconds per 1,000 samples, its DataLoader
+workers included (live or reaped), and the requests or streams the loader
+kept in flight. A run reads at most one epoch's samples (``max_samples``,
+default: the dataset), so no loader is measured re-reading a small epoch it
+has cached; each run records whether it stayed within one epoch. Servers and
+link emulators run in processes of their own, so their CPU is not the
+client's. A run that fails is recorded with its error and the sweep goes on;
+a condition the link cannot emulate (loss through the proxy), or a peer whose
+packages are missing, is recorded as not applicable.
 
-The loaders (:data:`LOADERS`) read one synthetic dataset: the data service
-serves it from SQLite (the store next to the server), the CQL path reads it
-from Cassandra 1.2, WebDataset reads it as tar shards written from the same
-samples (:mod:`.webdataset_baseline`).
+The loaders (:data:`LOADERS`) read one synthetic dataset, set up as their
+own docs recommend: the data service serves it from SQLite (the store next to
+the server), the CQL path reads it from Cassandra 1.2; the naive DataLoader
+has 16 persistent workers, the ConcurrentDataloader-style one 4 workers of
+16 threads; WebDataset reads it as ~100 MB tar shards written from the same
+samples (:mod:`.webdataset_baseline`); MosaicML Streaming and LitData read
+it from a local S3 server (moto) across the same link (:mod:`._s3peers`).
 
 :func:`run_and_report` runs a sweep and writes ``runs.csv`` (every run),
 ``summary.json`` (medians and how they were made), and from it ``table.md``
@@ -47,33 +54,37 @@ __all__ = ["LOADERS", "SweepOptions", "Run", "Sweep", "run_sweep", "summarize", 
 LOADERS: dict[str, str] = {
     "http-ooo": "ours, data service over HTTP, out of order",
     "http-inorder": "ours, data service over HTTP, in order",
-    "http-naive": "torch DataLoader, one HTTP request per sample",
+    "http-concurrent": "ConcurrentDataloader-style: persistent torch DataLoader workers, each fetching its batch "
+                       "with a pool of threads, one HTTP request per sample",
+    "http-naive": "torch DataLoader, persistent workers, one blocking HTTP request per sample",
     "cql-ooo": "ours, Cassandra over CQL, out of order",
     "cql-inorder": "ours, Cassandra over CQL, in order",
-    "cql-naive": "torch DataLoader, one CQL query per sample",
-    "webdataset": "WebDataset tar shards over HTTP, torch DataLoader",
+    "cql-naive": "torch DataLoader, persistent workers, one blocking CQL query per sample",
+    "webdataset": "WebDataset tar shards over HTTP, batched in persistent torch DataLoader workers",
+    "mosaic": "MosaicML Streaming (MDS shards) from a local S3 server (moto) across the link",
+    "litdata": "LitData (optimized chunks) from a local S3 server (moto) across the link",
 }
+#: loaders that read the S3 datasets of :mod:`._s3peers`
+S3_LOADERS = ("mosaic", "litdata")
 DATASET = "bench"
-
-
-def default_workers() -> int:
-    """DataLoader workers: 4, or fewer on a small machine (torch warns above the core count)."""
-    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 @dataclass(frozen=True, slots=True)
 class SweepOptions:
-    images: int = 2000
-    rtts: tuple[float, ...] = (0, 10, 50, 100, 200)
-    losses: tuple[float, ...] = (0.0, 0.1)
-    rates: tuple[str | None, ...] = (None, "1gbit")
+    images: int = 20_000
+    rtts: tuple[float, ...] = (0, 50, 100, 200)
+    losses: tuple[float, ...] = (0.0,)
+    rates: tuple[str | None, ...] = (None,)
     jitter_ms: float = 0.0
     loaders: tuple[str, ...] = tuple(LOADERS)
     repeats: int = 3
-    seconds: float = 5.0  # steady state per run, after the first batch
-    max_samples: int = 50_000
+    seconds: float = 4.0  # steady state per run, after the first batch
+    max_samples: int | None = None  # per run, the first batch included; None: one epoch
     batch_size: int = 64
-    workers: int = dataclasses.field(default_factory=default_workers)  # DataLoader workers (naive, webdataset)
+    workers: int = 4  # DataLoader workers of WebDataset, MosaicML Streaming and LitData
+    naive_workers: int = 16  # DataLoader workers of the naive loaders, one request in flight each
+    concurrent_workers: int = 4  # DataLoader workers of http-concurrent ...
+    pool: int = 16  # ... each with this many requests in flight
     inflight: int = 64  # the engine's max requests in flight
     concurrency: int = 768  # CQL requests in flight per store
     shard_mb: float = 100.0
@@ -86,15 +97,41 @@ class SweepOptions:
             raise ConfigError(f"unknown loaders {unknown or '(none)'}; choose from {', '.join(LOADERS)}")
         if not self.rtts or min(self.rtts) < 0 or not self.losses or min(self.losses) < 0 or not self.rates:
             raise ConfigError("RTTs and losses are >= 0, and each list has at least one value")
-        for name in ("images", "repeats", "max_samples", "batch_size", "workers", "inflight", "concurrency"):
+        for name in ("images", "repeats", "batch_size", "workers", "naive_workers", "concurrent_workers", "pool",
+                     "inflight", "concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise ConfigError(f"max_samples must be at least 1 (or None: one epoch), got {self.max_samples}")
         if self.seconds <= 0 or self.shard_mb <= 0 or self.jitter_ms < 0:
             raise ConfigError("seconds and shard size must be > 0, jitter >= 0")
 
     def conditions(self) -> list[Condition]:
         return [Condition(rtt, loss, rate, self.jitter_ms)
                 for rate in self.rates for loss in self.losses for rtt in self.rtts]
+
+    def label(self, name: str) -> str:
+        """``name`` with the concurrency it runs with, for tables and legends."""
+        workers = {"http-naive": self.naive_workers, "cql-naive": self.naive_workers,
+                   "webdataset": self.workers, "mosaic": self.workers, "litdata": self.workers}
+        if name in workers:
+            return f"{name} ({workers[name]} workers)"
+        if name == "http-concurrent":
+            return f"{name} ({self.concurrent_workers} workers x {self.pool} threads)"
+        return name
+
+    def in_flight_basis(self, name: str) -> str:
+        """What the in-flight figure of loader ``name`` counts."""
+        if name in S3_LOADERS:
+            return "as the loader reports it (none: not counted)"
+        if name.endswith("-naive"):
+            return f"configured: {self.naive_workers} workers x 1 blocking request"
+        if name == "http-concurrent":
+            return f"configured: {self.concurrent_workers} workers x {self.pool} threads, 1 request each"
+        if name == "webdataset":
+            return f"configured: {self.workers} workers x 1 HTTP stream (curl, one shard at a time)"
+        return (f"measured: the engine's requests in flight at each batch, mean and peak (at most {self.inflight}); "
+                "each request carries several samples")
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -128,6 +165,10 @@ class _Servers:
     shards: tuple[str, ...]
     cql_url: str | None
     cql: tuple[str, int] | None
+    s3: tuple[str, int] | None = None
+    mds_remote: str = ""
+    litdata_remote: str = ""
+    s3_missing: str | None = None  # why the S3 peers cannot run: "n/a: ..." or "error: ..."
 
 
 def _log(text: str) -> None:
@@ -151,42 +192,79 @@ def _start(stack: contextlib.ExitStack, opts: SweepOptions, link) -> tuple[_Serv
         files = stack.enter_context(file_server(folder, host=link.host, wrap=link.wrap))
         meta["shards"] = len(shards)
         meta["shard_mb"] = round(sum(os.path.getsize(os.path.join(folder, s)) for s in shards) / len(shards) / 1e6, 1)
+    s3 = {}
+    if any(n in S3_LOADERS for n in opts.loaders):
+        s3 = _s3_datasets(stack, opts, link, sqlite_url)
+        meta["s3"] = s3.get("s3_missing") or "moto"
     cql_url = cql = None
     if any(n.startswith("cql-") for n in opts.loaders):
         cql_url, cql = stack.enter_context(link.cassandra(opts.images))
     meta["setup_s"] = round(time.perf_counter() - t0, 1)
     _log(f"bench: {meta['images']} images of {meta['mean_kb']:.0f} KB mean; link {link.name}; "
          f"set up in {meta['setup_s']:.0f} s")
-    return _Servers(ids, http, files, shards, cql_url, cql), meta
+    return _Servers(ids, http, files, shards, cql_url, cql, **s3), meta
+
+
+def _s3_datasets(stack: contextlib.ExitStack, opts: SweepOptions, link, sqlite_url: str) -> dict:
+    """The S3 server and datasets of the MosaicML Streaming and LitData peers, as
+    :class:`_Servers` fields; ``s3_missing`` says why there are none."""
+    try:
+        from . import _s3peers
+    except ImportError as exc:
+        return {"s3_missing": f"n/a: the MosaicML Streaming and LitData peers cannot be imported ({exc})"}
+    why = _s3peers.available()
+    if why is not None:
+        _log(f"bench: mosaic and litdata not measured: {why}")
+        return {"s3_missing": f"n/a: {why}"}
+    try:
+        data = stack.enter_context(_s3peers.s3_datasets(sqlite_url, DATASET, host=link.host, wrap=link.wrap,
+                                                        shard_mb=opts.shard_mb))
+    except Exception as exc:  # noqa: BLE001 - recorded for their runs, and the sweep goes on
+        _log(f"bench: the S3 datasets could not be made: {type(exc).__name__}: {exc}")
+        return {"s3_missing": f"error: the S3 datasets could not be made: {type(exc).__name__}: {exc}"}
+    return {"s3": tuple(data.endpoint), "mds_remote": data.mds_remote, "litdata_remote": data.litdata_remote}
 
 
 def _factory(name: str, servers: _Servers, opts: SweepOptions):
     """The loader ``name`` reading ``servers`` (already routed across the link)."""
-    from ._loaders import NaiveCqlDataset, NaiveHttpDataset, naive, ours, with_options
+    from ._loaders import ConcurrentHttpDataset, NaiveCqlDataset, NaiveHttpDataset, concurrent, naive, ours, \
+        with_options
     from .webdataset_baseline import webdataset_loader
 
     if name == "webdataset":
         host, port = servers.files
         urls = [f"http://{host}:{port}/{shard}" for shard in servers.shards]
         return webdataset_loader(urls, batch_size=opts.batch_size, workers=opts.workers)
+    if name in S3_LOADERS:
+        from . import _s3peers
+
+        host, port = servers.s3
+        factory, remote = ((_s3peers.mosaic, servers.mds_remote) if name == "mosaic"
+                           else (_s3peers.litdata, servers.litdata_remote))
+        return factory(f"http://{host}:{port}", remote, batch_size=opts.batch_size, workers=opts.workers)
     path, _, kind = name.partition("-")
     order = "input" if kind == "inorder" else "completion"
     if path == "http":
         host, port = servers.http
         if kind == "naive":
             return naive(NaiveHttpDataset((host, port), DATASET, servers.ids), batch_size=opts.batch_size,
-                         workers=opts.workers)
+                         workers=opts.naive_workers)
+        if kind == "concurrent":
+            return concurrent(ConcurrentHttpDataset((host, port), DATASET, servers.ids, pool=opts.pool),
+                              batch_size=opts.batch_size, workers=opts.concurrent_workers)
         return ours(f"http://{host}:{port}", DATASET, order=order, batch_size=opts.batch_size, inflight=opts.inflight)
     host, port = servers.cql
     url = with_options(servers.cql_url, host, port, concurrency=opts.concurrency, request_timeout=30)
     if kind == "naive":
-        return naive(NaiveCqlDataset(url, DATASET, servers.ids), batch_size=opts.batch_size, workers=opts.workers)
+        return naive(NaiveCqlDataset(url, DATASET, servers.ids), batch_size=opts.batch_size,
+                     workers=opts.naive_workers)
     return ours(url, DATASET, order=order, batch_size=opts.batch_size, inflight=opts.inflight)
 
 
 def _routed(name: str, servers: _Servers, route) -> _Servers:
     """``servers`` with the one ``name`` reads replaced by its address across the link."""
-    field = "files" if name == "webdataset" else name.partition("-")[0]  # "http" or "cql"
+    field = ("files" if name == "webdataset" else "s3" if name in S3_LOADERS
+             else name.partition("-")[0])  # "http" or "cql"
     return dataclasses.replace(servers, **{field: route(getattr(servers, field))})
 
 
@@ -196,12 +274,15 @@ def _routed(name: str, servers: _Servers, route) -> _Servers:
 #: once spun a core half a minute after a CQL Loader closed is fixed at its
 #: root, in ``schema/_cqlconnect.py``; ``tests/test_cql_shutdown.py``.)
 _PRELOAD = ["dataferry.bench._loaders", "dataferry.bench.webdataset_baseline", "dataferry.client", "numpy",
-            "torch.utils.data", "webdataset", "cassandra.cluster"]
+            "torch.utils.data", "webdataset", "cassandra.cluster", "dataferry.bench._s3peers"]  # missing: skipped
 
 
 def _measure_in_child(conn, name: str, servers: _Servers, opts: SweepOptions) -> None:
     try:
-        conn.send(measure_loader(_factory(name, servers, opts), seconds=opts.seconds, max_samples=opts.max_samples))
+        # by default at most one epoch, the last batch included
+        epoch = max(len(servers.ids) - opts.batch_size + 1, 1)
+        conn.send(measure_loader(_factory(name, servers, opts), seconds=opts.seconds,
+                                 max_samples=opts.max_samples or epoch))
     except Exception as exc:  # noqa: BLE001 - reported by the parent
         conn.send(f"{type(exc).__name__}: {exc}")
     finally:
@@ -234,13 +315,16 @@ def _measure_isolated(name: str, servers: _Servers, opts: SweepOptions) -> Measu
 
 
 def _run_one(name: str, cond: Condition, repeat: int, servers: _Servers, route, opts: SweepOptions) -> Run:
+    if name in S3_LOADERS and servers.s3_missing:
+        return Run(name, cond, repeat, servers.s3_missing)
     try:
         m = _measure_isolated(name, _routed(name, servers, route), opts)
     except Exception as exc:  # noqa: BLE001 - recorded, and the sweep goes on
-        _log(f"  {name:<13} run {repeat + 1}: failed: {type(exc).__name__}: {exc}")
+        _log(f"  {name:<15} run {repeat + 1}: failed: {type(exc).__name__}: {exc}")
         return Run(name, cond, repeat, f"error: {exc}")
-    _log(f"  {name:<13} run {repeat + 1}: {m.samples_per_s:>8,.0f} samples/s {m.mb_per_s:>7,.1f} MB/s  "
-         f"first batch {m.first_batch:5.2f} s  cpu {m.cpu_per_1k:5.2f} s/1k")
+    inflight = "" if m.inflight is None else f"  in flight {m.inflight:,.0f}"
+    _log(f"  {name:<15} run {repeat + 1}: {m.samples_per_s:>8,.0f} samples/s {m.mb_per_s:>7,.1f} MB/s  "
+         f"first batch {m.first_batch:5.2f} s  cpu {m.cpu_per_1k:5.2f} s/1k{inflight}")
     return Run(name, cond, repeat, "ok", m)
 
 
@@ -264,8 +348,14 @@ def run_sweep(opts: SweepOptions, link) -> Sweep:
     return Sweep(opts, runs, meta)
 
 
-def summarize(runs: list[Run]) -> list[dict]:
-    """One row per (loader, condition): the medians of its successful runs."""
+def within_epoch(m: Measurement, epoch: int) -> bool:
+    """Whether run ``m`` read no more samples than one epoch of ``epoch`` holds, its first batch included."""
+    return m.samples + m.first_samples <= epoch
+
+
+def summarize(runs: list[Run], epoch: int | None = None) -> list[dict]:
+    """One row per (loader, condition): the medians of its successful runs;
+    with ``epoch`` (samples in one), whether every run stayed within one."""
     groups: dict[tuple[str, Condition], list[Run]] = {}
     for run in runs:
         groups.setdefault((run.loader, run.cond), []).append(run)
@@ -275,14 +365,20 @@ def summarize(runs: list[Run]) -> list[dict]:
         row = {"loader": loader, **dataclasses.asdict(cond), "runs": len(ok),
                "status": "ok" if ok else group[0].status}
         for key, value in (("samples_per_s", lambda m: m.samples_per_s), ("mb_per_s", lambda m: m.mb_per_s),
-                           ("first_batch_s", lambda m: m.first_batch), ("cpu_per_1k", lambda m: m.cpu_per_1k)):
-            row[key] = statistics.median(map(value, ok)) if ok else None
+                           ("first_batch_s", lambda m: m.first_batch), ("cpu_per_1k", lambda m: m.cpu_per_1k),
+                           ("window_s", lambda m: m.seconds),
+                           ("inflight", lambda m: m.inflight), ("inflight_peak", lambda m: m.inflight_peak),
+                           ("per_request", lambda m: m.per_request)):
+            values = [v for v in map(value, ok) if v is not None]
+            row[key] = statistics.median(values) if values else None
+        row["within_epoch"] = all(within_epoch(m, epoch) for m in ok) if ok and epoch else None
         rows.append(row)
     return rows
 
 
 _RUN_FIELDS = ["loader", "rtt_ms", "loss_pct", "rate", "jitter_ms", "repeat", "status", "samples", "first_samples",
-               "bytes", "seconds", "first_batch_s", "cpu_s", "samples_per_s", "mb_per_s", "cpu_per_1k"]
+               "bytes", "seconds", "first_batch_s", "cpu_s", "samples_per_s", "mb_per_s", "cpu_per_1k", "inflight",
+               "inflight_peak", "per_request", "within_epoch"]
 
 
 def write_results(sweep: Sweep, out: Path) -> list[Path]:
@@ -290,6 +386,7 @@ def write_results(sweep: Sweep, out: Path) -> list[Path]:
     from .report import render_markdown, write_plots
 
     out.mkdir(parents=True, exist_ok=True)
+    epoch = sweep.meta["images"]
     with open(out / "runs.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, _RUN_FIELDS)
         writer.writeheader()
@@ -301,10 +398,17 @@ def write_results(sweep: Sweep, out: Path) -> list[Path]:
                 row |= {"samples": m.samples, "first_samples": m.first_samples, "bytes": m.bytes,
                         "seconds": f"{m.seconds:.3f}", "first_batch_s": f"{m.first_batch:.3f}", "cpu_s": f"{m.cpu:.3f}",
                         "samples_per_s": f"{m.samples_per_s:.1f}", "mb_per_s": f"{m.mb_per_s:.2f}",
-                        "cpu_per_1k": f"{m.cpu_per_1k:.3f}"}
+                        "cpu_per_1k": f"{m.cpu_per_1k:.3f}", "within_epoch": within_epoch(m, epoch)}
+                for key in ("inflight", "inflight_peak", "per_request"):
+                    value = getattr(m, key)
+                    row[key] = "" if value is None else f"{value:.1f}"
             writer.writerow(row)
-    summary = summarize(sweep.runs)
-    doc = {"meta": sweep.meta, "options": sweep.options.to_json(), "loaders": LOADERS, "summary": summary}
+    summary = summarize(sweep.runs, epoch)
+    opts = sweep.options
+    names = [n for n in LOADERS if n in opts.loaders]
+    doc = {"meta": sweep.meta, "options": opts.to_json(), "loaders": {n: LOADERS[n] for n in names},
+           "labels": {n: opts.label(n) for n in names}, "in_flight": {n: opts.in_flight_basis(n) for n in names},
+           "summary": summary}
     (out / "summary.json").write_text(json.dumps(doc, indent=1) + "\n")
     (out / "table.md").write_text(render_markdown(doc))
     return [out / "runs.csv", out / "summary.json", out / "table.md", *write_plots(doc, out)]
@@ -312,6 +416,8 @@ def write_results(sweep: Sweep, out: Path) -> list[Path]:
 
 def run_and_report(opts: SweepOptions, link, out: Path, command: str) -> int:
     """Sweep, write the results, print the table; 1 if any run failed."""
+    from importlib import metadata
+
     import torch
     import webdataset
 
@@ -323,6 +429,9 @@ def run_and_report(opts: SweepOptions, link, out: Path, command: str) -> int:
         "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, Linux {platform.release()}",
         "python": platform.python_version(), "torch": torch.__version__, "webdataset": webdataset.__version__,
     })
+    for package in ("mosaicml-streaming", "litdata", "moto"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            sweep.meta[package] = metadata.version(package)
     paths = write_results(sweep, out)
     print((out / "table.md").read_text())
     print(f"bench: {sweep.meta['total_s']:.0f} s; wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)

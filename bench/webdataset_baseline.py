@@ -9,15 +9,19 @@ writes them with ``wds.ShardWriter`` as POSIX tar shards, one sample per key::
 :func:`file_server` serves the folder with ``python -m http.server`` (what a
 user would start; a CDN or S3 in real life), and the bench puts the same
 emulated link in front of it as in front of the data service.
-:func:`webdataset_loader` reads the shards the way the WebDataset README does:
-``wds.WebDataset(urls, shardshuffle=...)`` (http URLs are opened through a
-``curl`` subprocess per shard), a 1,000-sample shuffle buffer, and a torch
-DataLoader with a few worker processes, each streaming its own shards. Samples
-stay encoded bytes, as with the other loaders. Set no ``WDS_CACHE``: it would
-turn on WebDataset's local shard cache and the link would be read once.
+:func:`webdataset_loader` reads the shards the way WebDataset's docs
+recommend: ``wds.WebDataset(urls, shardshuffle=...)`` (http URLs are opened
+through a ``curl`` subprocess per shard), a 1,000-sample shuffle buffer,
+batched inside each worker (``.batched``: "transferring individual samples is
+slow"), and ``wds.WebLoader(batch_size=None)``, a torch DataLoader whose
+persistent worker processes each stream their own shards, one at a time.
+Samples stay encoded bytes, as with the other loaders. Set no ``WDS_CACHE``:
+it would turn on WebDataset's local shard cache and the link would be read
+once.
 
-Shards are ~100 MB, the size WebDataset recommends, but at least two per
-worker, since a worker without a shard has nothing to read.
+Shards are ~100 MB, the size WebDataset recommends; only a dataset too small
+for one such shard per worker gets smaller ones, one per worker (a worker
+without a shard has nothing to read).
 """
 
 from __future__ import annotations
@@ -29,14 +33,15 @@ import sys
 from collections.abc import Sequence
 
 from ._common import announced
-from ._loaders import collate_list
+from ._loaders import Batches, collate_list, quiet_worker_count
 
 __all__ = ["write_shards", "shard_size", "file_server", "webdataset_loader"]
 
 
 def shard_size(total_bytes: int, *, workers: int, target: float = 100e6) -> int:
-    """Bytes per shard: ``target``, or less so that every worker gets two shards."""
-    return max(1 << 20, int(min(target, total_bytes / (2 * max(workers, 1)))))
+    """Bytes per shard: ``target``, or, for a dataset smaller than one such
+    shard per worker, a shard per worker (at least 1 MiB)."""
+    return max(1 << 20, int(min(target, total_bytes / max(workers, 1))))
 
 
 def write_shards(store_url: str, dataset: str, folder: str, *, shard_bytes: int, chunk: int = 256) -> list[str]:
@@ -76,22 +81,23 @@ def file_server(folder: str, *, host: str = "127.0.0.1", wrap: Sequence[str] = (
 
 def webdataset_loader(urls: list[str], *, batch_size: int, workers: int, shuffle: int = 1000):
     """A factory for :func:`~._common.measure_loader`: WebDataset over ``urls``, epochs back to back."""
-    import torch.utils.data as tud
     import webdataset as wds
 
     if len(urls) < workers:
         raise ValueError(f"{len(urls)} shards for {workers} DataLoader workers: some workers would read nothing")
 
     def make():
-        ds = wds.WebDataset(urls, shardshuffle=len(urls)).shuffle(shuffle).to_tuple("jpg", "cls")
-        dl = tud.DataLoader(ds, batch_size=batch_size, num_workers=workers, collate_fn=collate_list,
-                            multiprocessing_context="fork")
+        quiet_worker_count()
+        ds = (wds.WebDataset(urls, shardshuffle=len(urls)).shuffle(shuffle).to_tuple("jpg", "cls")
+              .batched(batch_size, collation_fn=collate_list, partial=False))
+        dl = wds.WebLoader(ds, batch_size=None, num_workers=workers, persistent_workers=True,
+                           multiprocessing_context="fork")
 
         def batches():
             while True:
                 for items in dl:
                     yield len(items), sum(len(data) for data, _ in items)
 
-        return batches()
+        return Batches(batches(), inflight=workers)  # a curl stream per worker
 
     return make
