@@ -1,0 +1,159 @@
+"""The CQL path alone: a Loader reading ``cassandra://`` straight from the store.
+
+``python -m dataferry.bench.cql_path [--images 2048] [--rtts 0,100] [--repeats 3] [--batch-size 256]``
+
+A throwaway Cassandra 1.2 (``_devcassandra``, protocol v1) holds ``--images``
+synthetic JPEGs (about 110 KB each). Each run is a fresh process (no driver
+state carried over) that creates a ``Loader`` on the store URL and reads one
+epoch; runs go straight to the server ("direct") and through a latency-proxy
+process per RTT (the proxy is the only address the driver is given: a
+one-node cluster has no peers for it to discover past the proxy). Repeats are
+interleaved; the table shows medians.
+
+Per run:
+
+* **first batch**: seconds from creating the Loader to the first batch (the
+  connection set-up, the id list, the first reads);
+* **set-up requests** and **connections**: CQL messages the driver sent
+  before the first sample read, and connections it opened before the first
+  batch (counted by a hook on the driver's ``Connection.send_msg``); with the
+  RTT, ``first batch / RTT`` is the set-up's length in round trips;
+* **samples/s**: from the first batch to the end of the epoch;
+* **CPU us/sample**: this process's CPU (every thread: the engine's loop and
+  the driver's IO thread) from the first batch to the end of the epoch, per
+  sample; **set-up CPU** is the CPU before the first batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+from ._common import prepared_store, table
+
+DATASET = "bench"
+
+
+def _count_messages():
+    """Hook the driver's send path: ``(sent, unhook)``; ``sent`` gets ``(time, kind)`` per message
+    sent, kind "read" for a sample read (an EXECUTE binding a dataset and a bigint id)."""
+    from cassandra.connection import Connection
+    from cassandra.protocol import ExecuteMessage
+
+    sent: list[tuple[float, str]] = []
+    original = Connection.send_msg
+
+    def send_msg(self, msg, *args, **kwargs):
+        kind = type(msg).__name__
+        if isinstance(msg, ExecuteMessage) and len(msg.query_params or ()) == 2 and len(msg.query_params[1]) == 8:
+            kind = "read"
+        sent.append((time.perf_counter(), kind))
+        return original(self, msg, *args, **kwargs)
+
+    Connection.send_msg = send_msg
+    return sent, lambda: setattr(Connection, "send_msg", original)
+
+
+def measure(url: str, batch_size: int) -> dict:
+    """One run in this process: a Loader on ``url``, one epoch (see the module docs)."""
+    from dataferry.client import Loader
+
+    sent, unhook = _count_messages()
+    c0, t0 = time.process_time(), time.perf_counter()
+    samples = 0
+    with Loader(url, DATASET, batch_size=batch_size) as loader:
+        it = iter(loader)
+        first = len(next(it))
+        c1, t1 = time.process_time(), time.perf_counter()
+        unhook()  # counted up to the first batch; the epoch's CPU is the Loader's alone
+        for batch in it:
+            samples += len(batch)
+        c2, t2 = time.process_time(), time.perf_counter()
+    reads = [t for t, kind in sent if kind == "read"]
+    before = [kind for t, kind in sent if t < (reads[0] if reads else t1)]
+    return {
+        "first_batch_s": t1 - t0,
+        "setup_requests": len(before),
+        "connections": sum(1 for t, kind in sent if kind == "StartupMessage" and t < t1),
+        "samples": first + samples,
+        "samples_per_s": samples / (t2 - t1) if t2 > t1 else 0.0,
+        "cpu_us_per_sample": (c2 - c1) / samples * 1e6 if samples else 0.0,
+        "setup_cpu_ms": (c1 - c0) * 1e3,
+    }
+
+
+def _run_child(url: str, batch_size: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "dataferry.bench.cql_path", "--child", url, "--batch-size", str(batch_size)],
+        capture_output=True, text=True, check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"measuring run failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _via(url: str, host: str, port: int) -> str:
+    rest = url.split("//", 1)[1].split("/", 1)[1]
+    return f"cassandra://{host}:{port}/{rest}"
+
+
+def run(images: int, rtts: list[float], repeats: int, batch_size: int) -> list[list[str]]:
+    from ._links import Condition, ProxyLink
+
+    results: dict[str, list[dict]] = {}
+    with prepared_store("cassandra", images, DATASET) as (url, address, report), contextlib.ExitStack() as stack:
+        print(f"cql_path: {report.num_samples} images of {report.bytes_out / max(report.num_samples, 1) / 1e3:.0f} KB "
+              f"mean in Cassandra 1.2 at {address[0]}:{address[1]}", file=sys.stderr, flush=True)
+        targets = {"direct": url}
+        link = ProxyLink()
+        for rtt in rtts:
+            route = stack.enter_context(link.emulate(Condition(rtt_ms=rtt)))
+            targets[f"proxy {rtt:g} ms"] = _via(url, *route(address))
+        for repeat in range(repeats):
+            for name, target in targets.items():
+                r = _run_child(target, batch_size)
+                results.setdefault(name, []).append(r)
+                print(f"  {name:<14} run {repeat + 1}: first batch {r['first_batch_s']:.3f} s, "
+                      f"{r['setup_requests']} set-up requests, {r['connections']} connections, "
+                      f"{r['samples_per_s']:,.0f} samples/s, {r['cpu_us_per_sample']:.1f} us CPU/sample",
+                      file=sys.stderr, flush=True)
+    rows = []
+    for name, runs in results.items():
+        def med(key):
+            return statistics.median(r[key] for r in runs)
+
+        rtt = float(name.split()[1]) if name.startswith("proxy") else 0.0
+        rows.append([
+            name, f"{med('first_batch_s'):.3f}", f"{med('first_batch_s') * 1e3 / rtt:.1f}" if rtt else "-",
+            f"{med('setup_requests'):.0f}", f"{med('connections'):.0f}", f"{med('samples_per_s'):,.0f}",
+            f"{med('cpu_us_per_sample'):.1f}", f"{med('setup_cpu_ms'):.0f}",
+        ])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dataferry.bench.cql_path", description=__doc__.split("\n\n")[0])
+    p.add_argument("--images", type=int, default=2048)
+    p.add_argument("--rtts", default="0,100", help="RTTs in ms through the latency proxy, comma-separated")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--child", metavar="URL", help=argparse.SUPPRESS)  # one measuring run, JSON on stdout
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(measure(args.child, args.batch_size)))
+        return 0
+    rtts = [float(x) for x in args.rtts.split(",") if x.strip()]
+    rows = run(args.images, rtts, args.repeats, args.batch_size)
+    print(f"median of {args.repeats} runs; {args.images} images, batch {args.batch_size}")
+    print(table(["link", "first batch s", "first batch / RTT", "set-up requests", "connections", "samples/s",
+                 "CPU us/sample", "set-up CPU ms"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
