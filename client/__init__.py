@@ -7,7 +7,9 @@ from ._dali import DaliIterator, DaliOptions
 from ._engine import Batch, SampleFailed
 from ._http import HttpOptions, HttpSource, RequestRejected, TokenRefused
 from ._imagebatch import ImageBatch
+from ._attribution import Interval
 from ._loader import Loader, LoaderEpoch
+from ._metrics import ClientMetrics, serve_metrics
 from ._memory import MemorySource
 from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
 from ._stats import Stats
@@ -19,6 +21,9 @@ __all__ = [
     "LoaderEpoch",
     "Batch",
     "Stats",
+    "Interval",
+    "ClientMetrics",
+    "serve_metrics",
     "PlanOptions",
     "Prefetch",
     "Retry",

@@ -75,6 +75,7 @@ made, with a clear error if it is missing.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -347,6 +348,18 @@ class DaliIterator(ImageIterator):
         raise NotImplementedError("DaliIterator has no get_nowait: DALI's run() blocks")
 
     def _next(self) -> ImageBatch:
+        t = self.loader._taken  # the loader's consumer-side counters: this thread writes them
+        t0, waited = time.monotonic(), t.wait
+        try:
+            return self._run_pipeline()
+        finally:
+            # the loop's time in run() beyond the feeder's wait on the loader: waiting on DALI
+            t.decode_wait += max(0.0, time.monotonic() - t0 - (t.wait - waited))
+            pipe = self._state.get("pipeline")
+            t.decode_threads = getattr(pipe, "num_threads", 0) or 0
+            t.decode_queue, t.decode_depth = len(self._feeder.inflight), self.options.prefetch
+
+    def _run_pipeline(self) -> ImageBatch:
         pipe = self._state.get("pipeline")
         if pipe is None:
             raise DataferryError("iterator is closed")

@@ -35,6 +35,7 @@ from ._engine import Batch, EndOfEpoch, Link, Run, describe_source, retrying
 from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
 from ._plan import EpochPlan, make_plan, split_digest
 from ._doneset import DoneSet
+from ._attribution import Attributor, Interval
 from ._stats import Counters, Stats, Taken, snapshot
 
 __all__ = ["Loader", "LoaderEpoch"]
@@ -92,9 +93,12 @@ class Loader:
     bound to the engine's event loop); the loader opens the last three on its
     loop and closes them.
     The epoch's ids come from ``ids`` when given, else from the source's
-    ``read_split(dataset, split)``. ``log_interval`` logs a :class:`Stats`
-    line to the ``dataferry.client`` logger every that many seconds;
-    ``stats()`` returns one at any time.
+    ``read_split(dataset, split)``. Every interval (``log_interval``
+    seconds, else 10) the loader names what limited it: the link, the
+    service, decode or the consumer (``_attribution.py``); ``intervals()``
+    returns the recent ones, and with ``log_interval`` each is logged as one
+    line to the ``dataferry.client`` logger. ``stats()`` returns the
+    figures since the first ``get()`` at any time.
     """
 
     def __init__(
@@ -147,20 +151,23 @@ class Loader:
             self._finalizer()
             raise
         self._state["source"] = (self._source, owned)
-        if log_interval is not None:
-            self._lt.loop.call_soon_threadsafe(self._log_stats, log_interval)
+        self._attributor = Attributor()
+        self._lt.loop.call_soon_threadsafe(
+            _every_interval, weakref.ref(self), self._lt.loop, log_interval or DEFAULT_INTERVAL, log_interval is not None)
 
-    def _log_stats(self, interval: float, last: Stats | None = None) -> None:
-        """On the loop: log the last interval's figures to ``dataferry.client``
-        every ``interval`` s, once the consumer has asked for data."""
-        if self._closed:
+    def _tick(self, log_it: bool) -> None:
+        """On the loop, every interval once the consumer has asked for data:
+        attribute the interval, and log it."""
+        if self._taken.first is None:
             return
-        now = self.stats()
-        if self._taken.first is not None:
-            log.info("%s: %s", self.dataset, now if last is None else now.since(last))
-        else:
-            now = None
-        self._lt.loop.call_later(interval, self._log_stats, interval, now)
+        iv = self._attributor.tick(self.stats())
+        if log_it:
+            log.info("%s: %s", self.dataset, iv)
+
+    def intervals(self) -> tuple[Interval, ...]:
+        """The recent intervals (oldest first, up to an hour's worth at 10 s),
+        each with its figures and what limited it."""
+        return self._attributor.history
 
     # --- options (read-only: a new option means a new Loader) ----------------------------
     dataset = property(lambda self: self._dataset, doc="the dataset's name")
@@ -292,12 +299,13 @@ class Loader:
             except queue.Empty:
                 if not block:
                     raise
-                t0 = time.monotonic()
+                t0 = t.waiting_since = time.monotonic()
                 try:
                     gen, item = q.get(timeout=None if deadline is None else max(0.0, deadline - t0))
                 except queue.Empty:
                     raise TimeoutError(f"no batch of {self.dataset!r} within {timeout} s") from None
                 finally:
+                    t.waiting_since = None
                     t.wait += time.monotonic() - t0
             if gen == self._gen:
                 return self._accept(item)
@@ -383,6 +391,21 @@ class Loader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: seconds per attribution interval without log_interval
+DEFAULT_INTERVAL = 10.0
+
+
+def _every_interval(ref: weakref.ref, loop, interval: float, log_it: bool) -> None:
+    """Tick ``ref()``'s loader every ``interval`` s until it is closed or
+    collected (a weak reference: the timer does not keep the loader alive)."""
+    loader = ref()
+    if loader is None or loader._closed:
+        return
+    loader._tick(log_it)
+    del loader
+    loop.call_later(interval, _every_interval, ref, loop, interval, log_it)
 
 
 class _FutureTask:

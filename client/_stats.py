@@ -42,7 +42,8 @@ class Taken:
         self.batches = 0
         self.bytes = 0
         self.skipped = 0
-        self.wait = 0.0  # seconds the consumer waited for a batch
+        self.wait = 0.0  # seconds the consumer waited for a batch (its waits that ended)
+        self.waiting_since: float | None = None  # time.monotonic() when its wait now under way began
         # written by an iterator (TorchIterator, DaliIterator) in the same thread:
         self.decode_wait = 0.0  # seconds the training loop waited on decode, not on the loader
         self.decode_busy = 0.0  # decode threads' busy seconds, summed (TorchIterator; DALI does not say)
@@ -53,13 +54,16 @@ class Taken:
 
 def snapshot(c: Counters, taken: Taken, ready_bytes: int) -> Stats:
     """Both sides' counters as one frozen :class:`Stats`."""
-    elapsed = 0.0 if taken.first is None else time.monotonic() - taken.first
+    now = time.monotonic()
+    elapsed = 0.0 if taken.first is None else now - taken.first
+    since = taken.waiting_since
+    wait = taken.wait + (max(0.0, now - since) if since is not None else 0.0)  # a wait under way counts so far
     return Stats(
         elapsed=elapsed,
         samples=taken.samples,
         batches=taken.batches,
         bytes=taken.bytes,
-        wait=taken.wait,
+        wait=wait,
         skipped=taken.skipped,
         received=c.received,
         requests=c.requests,

@@ -17,6 +17,7 @@ Epochs, resume (leaving out the batches in flight), the batch type and the
 from __future__ import annotations
 
 import queue
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -45,8 +46,9 @@ class _Job:
         self.masks: Any = None
 
 
-def _work(job: _Job, lo: int, hi: int, transform: Transform, targets: TargetKind, dataset: str) -> None:
-    """Decode and transform samples ``lo:hi`` of a batch (a pool thread)."""
+def _work(job: _Job, lo: int, hi: int, transform: Transform, targets: TargetKind, dataset: str) -> float:
+    """Decode and transform samples ``lo:hi`` of a batch (a pool thread); the seconds it took."""
+    t0 = time.monotonic()
     p = job.prep
     b = p.batch
     for i in range(lo, hi):
@@ -63,6 +65,7 @@ def _work(job: _Job, lo: int, hi: int, transform: Transform, targets: TargetKind
         transform_image(im, p.windows[i], bool(p.flips[i]), transform, job.images[i])
         if mask is not None:
             job.masks[i] = transform_mask(mask, p.windows[i], bool(p.flips[i]), transform.size)
+    return time.monotonic() - t0
 
 
 class TorchIterator(ImageIterator):
@@ -104,6 +107,7 @@ class TorchIterator(ImageIterator):
         if workers < 1:
             raise ConfigError(f"workers must be >= 1, not {workers}")
         self.prefetch = prefetch
+        self.workers = workers
         self._chunk = max(1, loader.batch_size // (2 * workers))
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="dataferry-decode")
         self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
@@ -118,10 +122,17 @@ class TorchIterator(ImageIterator):
     def _next(self) -> ImageBatch:
         if self._finalizer.alive is False:
             raise DataferryError("iterator is closed")
-        self._fill(block=not self._fifo)
-        if not self._fifo:
-            raise StopIteration
-        return self._pop()
+        t = self.loader._taken  # the loader's consumer-side counters: this thread writes them
+        t0, waited = time.monotonic(), t.wait
+        try:
+            self._fill(block=not self._fifo)
+            if not self._fifo:
+                raise StopIteration
+            return self._pop()
+        finally:
+            # the loop's time in here beyond its wait on the loader: waiting on decode
+            t.decode_wait += max(0.0, time.monotonic() - t0 - (t.wait - waited))
+            t.decode_threads, t.decode_queue, t.decode_depth = self.workers, len(self._fifo), self.prefetch
 
     def _next_nowait(self) -> ImageBatch:
         """A decoded batch if the first in line is done, else ``queue.Empty``."""
@@ -138,8 +149,10 @@ class TorchIterator(ImageIterator):
 
     def _pop(self) -> ImageBatch:
         job = self._fifo[0]
+        busy = 0.0
         for f in job.futures:
-            f.result()  # raises the first decode error, naming the sample
+            busy += f.result()  # raises the first decode error, naming the sample
+        self.loader._taken.decode_busy += busy
         self._fifo.popleft()
         self._fill(block=False)
         torch = self._torch

@@ -17,7 +17,7 @@ PUBLIC = {
     ],
     "dataferry.client": [
         "Batch", "ErrorPolicy", "Hedge", "Loader", "LoaderEpoch", "MemorySource",
-        "PlanOptions", "Prefetch", "Retry", "SampleFailed", "Stats",
+        "PlanOptions", "Prefetch", "Retry", "SampleFailed", "Stats", "Interval", "ClientMetrics", "serve_metrics",
         "HttpSource", "HttpOptions", "TokenRefused", "RequestRejected",
         "DaliIterator", "DaliOptions", "TorchIterator", "ImageBatch", "TrainTransform", "EvalTransform",
         "TargetKind",

@@ -1,0 +1,151 @@
+"""Live bottleneck attribution: per interval, what limited the pipeline.
+
+Every interval (``Loader(log_interval=...)``, else 10 s) the loader takes a
+:class:`Stats` snapshot, subtracts the previous one (:meth:`Stats.since`) and
+names the limit from that interval's figures alone:
+
+============  =====================================================  ==========================================
+limit         when                                                   evidence in the line
+============  =====================================================  ==========================================
+``consumer``  the training loop waited for data less than            its wait share: data was ready when asked
+              ``STALL`` (10%) of the interval                        for; the model (or your loop) is the limit
+``decode``    it waited, and more on the iterator's decode than on   decode wait, decode threads busy, the
+              the loader                                             decode queue (batches decoding / depth)
+``service``   it waited on the loader and requests queue             mean latency against its floor, requests
+              downstream: mean latency ``QUEUEING`` (1.5x) or more   queued (``window * (1 - floor/latency)``),
+              above its floor, or requests failed                    failures
+``link``      it waited on the loader, the window (or the byte       share of the time the window was full,
+              budget) was full and latency sat at its floor: more    latency at its floor
+              requests in flight would go faster
+``idle``      no data was asked for in the interval
+============  =====================================================  ==========================================
+
+The floor is the lowest request latency seen over the last ``FLOOR_SPAN``
+intervals (the engine's ``min_latency`` per interval): the link's round trip
+plus the service's time for one request when nothing queues. A saturated
+link (bandwidth, not latency) also makes requests queue, so it reads as
+``service``; the line's MB/s against the link's capacity tells the two apart,
+as does the service's ``dataferry_server_store_latency_seconds``.
+
+"Window full" is the engine's own signal: the seconds its dispatcher had
+requests to send but was held back by the window or by the byte budget
+(``Stats.window_full``, ``Stats.budget_full``), whatever sizes the window.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+from ._stats import Stats
+
+__all__ = ["Interval", "Limit", "LIMITS", "Attributor", "attribute", "STALL", "QUEUEING"]
+
+Limit = Literal["consumer", "decode", "service", "link", "idle"]
+LIMITS: tuple[Limit, ...] = ("consumer", "decode", "service", "link", "idle")
+
+#: the training loop waiting less than this share of the interval: data is not the limit
+STALL = 0.10
+#: mean latency this many times its floor or more: requests queue downstream
+QUEUEING = 1.5
+#: intervals over which the latency floor is the minimum
+FLOOR_SPAN = 30
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.0f}ms"
+
+
+def attribute(s: Stats, floor: float | None) -> tuple[Limit, str]:
+    """The limit of an interval's figures ``s`` (from :meth:`Stats.since`)
+    and its evidence, one phrase; ``floor``: the latency floor."""
+    if s.elapsed <= 0 or (s.batches == 0 and s.loop_wait == 0):
+        return "idle", "no data was asked for"
+    def share(x: float) -> float:
+        return min(1.0, x / s.elapsed)
+
+    stall = s.loop_wait_fraction
+    if stall < STALL:
+        return "consumer", f"the training loop waited {stall:.0%} of the time: data was ready when asked for"
+    if s.decode_wait > s.wait:
+        busy = ""
+        if s.decode_threads and s.decode_busy:
+            busy = f", {s.decode_threads} decode threads {share(s.decode_busy / s.decode_threads):.0%} busy"
+        queue = f", decode queue {s.decode_queue}/{s.decode_depth}" if s.decode_depth else ""
+        return "decode", (f"the loop waited {share(s.decode_wait):.0%} of the time on decode, "
+                          f"{share(s.wait):.0%} on the loader{busy}{queue}")
+    lat = s.mean_latency
+    held = share(s.window_full + s.budget_full)
+    what = "window" if s.window_full >= s.budget_full else "byte budget"
+    ratio = lat / floor if lat is not None and floor else None
+    waited = f"the loop waited {share(s.wait):.0%} of the time on the loader"
+    if s.failures:
+        return "service", f"{waited}; {s.failures} request(s) failed, {s.retries} sample(s) retried"
+    if ratio is not None and (ratio >= QUEUEING or (held < 0.5 and ratio >= 1.2)):
+        queued = max(0.0, s.inflight * (1.0 - 1.0 / ratio))
+        return "service", (f"{waited}; latency {_ms(lat)}, {ratio:.1f}x its floor {_ms(floor)}: "
+                           f"~{queued:.0f} of {s.inflight} requests queued at the service")
+    at_floor = "-" if ratio is None else f"{_ms(lat)} at its floor {_ms(floor)}"
+    return "link", f"{waited}; {what} full {held:.0%} of the time, latency {at_floor}"
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """One interval's figures and what limited it.
+
+    ``start``: seconds from the consumer's first ``get()`` to the interval's
+    start; ``stats``: its figures (rates over the interval, gauges at its
+    end); ``limit`` and ``evidence``: see the module docstring.
+    """
+
+    start: float
+    stats: Stats
+    limit: Limit
+    evidence: str
+    floor: float | None = None
+
+    @property
+    def end(self) -> float:
+        return self.start + self.stats.elapsed
+
+    def __str__(self) -> str:
+        s = self.stats
+        return (
+            f"limited by {self.limit} ({self.evidence}) | {s.samples_per_s:,.0f} samples/s "
+            f"{s.bytes_per_s / 1e6:,.1f} MB/s, loop waited {s.loop_wait_fraction:.0%} | "
+            f"window {s.window} inflight {s.inflight} latency {_ms(s.mean_latency)} (floor {_ms(self.floor)}) | "
+            f"retries {s.retries} failures {s.failures} hedges {s.hedges} skipped {s.skipped}"
+        )
+
+    def as_dict(self) -> dict:
+        return {"start": self.start, "end": self.end, "limit": self.limit, "evidence": self.evidence,
+                "floor": self.floor, **self.stats.as_dict()}
+
+
+class Attributor:
+    """Turns a loader's cumulative snapshots into :class:`Interval` s (one writer:
+    the engine's loop); ``history`` keeps the last ``keep``, readable from any thread."""
+
+    def __init__(self, keep: int = 360) -> None:
+        self._keep = keep
+        self._last: Stats | None = None
+        self._mins: deque[float] = deque(maxlen=FLOOR_SPAN)
+        #: the last intervals, oldest first (replaced, never mutated: safe to read from any thread)
+        self.history: tuple[Interval, ...] = ()
+        #: seconds attributed to each limit, over all intervals (the keys never change)
+        self.seconds: dict[str, float] = dict.fromkeys(LIMITS, 0.0)
+
+    def tick(self, now: Stats) -> Interval:
+        """The interval since the previous ``tick`` (since the first ``get()``, the first time)."""
+        last = self._last
+        s = now if last is None else now.since(last)
+        self._last = now
+        if now.min_latency is not None:
+            self._mins.append(now.min_latency)
+        floor = min(self._mins) if self._mins else None
+        limit, evidence = attribute(s, floor)
+        iv = Interval(0.0 if last is None else last.elapsed, s, limit, evidence, floor)
+        self.seconds[limit] += s.elapsed
+        self.history = (*self.history[-(self._keep - 1):], iv) if self._keep > 1 else (iv,)
+        return iv
