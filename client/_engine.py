@@ -45,6 +45,7 @@ import heapq
 import itertools
 import logging
 import random
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +64,8 @@ from ._stats import Counters
 __all__ = ["Batch", "EndOfEpoch", "Run", "Link", "SampleFailed", "RETRYABLE", "describe_source", "retrying"]
 
 log = logging.getLogger("dataferry.client")
+#: the self-tuner's decisions (window, request size): silence them on their own
+tune_log = logging.getLogger("dataferry.client.tune")
 _INF = float("inf")
 
 #: errors worth another try; anything else is a bug and stops the epoch
@@ -141,46 +144,307 @@ class EndOfEpoch:
     skipped: tuple[int, ...] = ()
 
 
-class Link:
-    """What the engine has learned about the link (window, sample size,
-    latencies), kept across epochs and runs so a new epoch does not start its
-    window from scratch."""
+class _RequestSizer:
+    """Ids per request from the engine's own CPU cost (``Prefetch(tune=True)``
+    and no ``request_size``).
 
-    #: requests allowed to queue at the bottleneck (TCP Vegas' alpha and beta)
+    A request has a fixed cost (a task, a POST and its headers, a response to
+    open) and a cost per sample. Measured as the event-loop thread's CPU per
+    sample over a few thousand samples at size ``n`` and then at ``2n``, the
+    difference is half the per-request overhead spread over ``n`` samples:
+    the size doubles while that cuts the CPU per sample by more than
+    ``SAVING``, and stays at the last size that did. It starts small, so the
+    first batch is spread over several requests in flight at once.
+    """
+
+    SAVING = 0.05
+    #: a measurement: PARTS parts of at least this many samples, requests and seconds each (the
+    #: lowest part counts: interference from other processes only ever adds CPU)
+    SAMPLES, REQUESTS, SECONDS, PARTS = 1024, 8, 0.1, 3
+
+    def __init__(self, size: int, upper: int) -> None:
+        self.size, self.upper = size, max(size, upper)
+        self.done = size * 2 > self.upper
+        self.settle = 32  # answers to let pass first (the start, or the old size's after a change)
+        self._parts: list[float] = []
+        self._samples = self._requests = 0
+        self._cpu0: float | None = None
+        self._t0 = 0.0
+        self._before: float | None = None  # CPU per sample at size // 2
+
+    def answered(self, size: int, samples: int, window: float) -> tuple[int, str] | None:
+        """A request of ``size`` ids came back with ``samples``: a new size and why, or None."""
+        if self.done or size != self.size:
+            return None
+        if self.settle > 0:
+            self.settle -= 1
+            return None
+        if self._cpu0 is None:
+            self._cpu0, self._t0 = time.thread_time(), time.monotonic()
+            return None
+        self._samples += samples
+        self._requests += 1
+        if self._samples < self.SAMPLES or self._requests < self.REQUESTS:
+            return None
+        t = time.monotonic()
+        if t - self._t0 < self.SECONDS:
+            return None
+        now = time.thread_time()
+        self._parts.append((now - self._cpu0) / self._samples)
+        self._cpu0, self._t0, self._samples, self._requests = now, t, 0, 0
+        if len(self._parts) < self.PARTS:
+            return None
+        per_sample, self._parts, self._cpu0 = min(self._parts), [], None
+        before, self._before = self._before, per_sample
+        n = self.size
+        if before is not None and before - per_sample <= self.SAVING * before:
+            self.done = True
+            self.size = n // 2
+            return self.size, (
+                f"{n} ids per request took {per_sample * 1e6:.1f} us of CPU per sample, {n // 2} took "
+                f"{before * 1e6:.1f}: less than {self.SAVING:.0%} saved; back to {n // 2}"
+            )
+        why = f"{n} ids per request: {per_sample * 1e6:.1f} us of CPU per sample"
+        if before is not None:
+            overhead = (before - per_sample) * n  # before - after = overhead / n
+            why += f" (vs {before * 1e6:.1f} at {n // 2}: about {overhead * 1e6:.0f} us per request)"
+        if n * 2 > self.upper:
+            self.done = True
+            return n, why + f"; {n} is the largest the byte budget allows"
+        self.size = n * 2
+        self.settle = int(window) + 1
+        return self.size, why + f"; trying {n * 2}"
+
+
+class Link:
+    """What the engine has learned about the link (window, request size,
+    sample size, latencies, delivery rate), kept across epochs and runs so a
+    new epoch does not start from scratch.
+
+    Tuned (``Prefetch.tune``), the window follows the link, as BBR sizes a TCP
+    window: every answered request gives a delivery-rate sample (bytes
+    answered while it was in flight / its latency); ``bandwidth`` is the
+    highest over the last ten round trips, ``min_latency`` the lowest recent
+    latency of a full-size request, and the window may reach ``GAIN`` x
+    their product (the bandwidth-delay product) in requests of
+    ``request_size x mean_bytes``, within ``max_inflight`` (4096 unset) and
+    ``max_bytes``. Where the link has no bottleneck yet, the delivery rate
+    follows the window, so the target stays ahead of it and the window keeps
+    doubling per round trip; at the bottleneck the rate levels off and so does
+    the window. Not tuned, the target is ``max_inflight`` (64 unset).
+    """
+
+    #: requests allowed to queue at the bottleneck (TCP Vegas' alpha and beta); not tuned
     QUEUE_LOW, QUEUE_HIGH = 2.0, 6.0
+    #: tuned, the window shrinks when more than this share of it queues (latency twice its
+    #: floor): past the gain's worth. A count would make a large window at a long RTT shrink
+    #: on a few ms of scheduling noise.
+    SHARE_HIGH = 0.5
+    #: in-flight target per bandwidth-delay product (BBR's cwnd_gain), and while the delivery
+    #: rate still grows by a quarter per round trip (BBR's startup gain, 2/ln 2)
+    GAIN, STARTUP_GAIN = 2.0, 2.89
+    #: the lowest latency is remembered this long (BBR's min_rtt window)
+    MIN_LATENCY_S = 10.0
+    #: the smallest tuned window, and the smallest start
+    MIN_WINDOW, MIN_START = 2, 4
+    #: the delivery-rate filter spans this many round trips (at least RATE_SPAN_S seconds)
+    RATE_ROUNDS, RATE_SPAN_S = 10, 0.25
+    #: a delivery-rate sample spans at least a round trip and this many seconds
+    RATE_MIN_S = 0.02
+    #: seconds between two log lines of the same kind of window decision
+    LOG_EVERY = 10.0
 
     def __init__(self, prefetch: Prefetch, hedge: Hedge) -> None:
         self.prefetch = prefetch
-        self.window = float(prefetch.initial_inflight)
+        self.tuned = prefetch.tune
+        self.window = float(prefetch.initial_inflight or self.MIN_WINDOW)
+        self.request_size = prefetch.request_size or 32
         self.mean_bytes = float(prefetch.sample_bytes_hint)
         self.latencies: deque[float] = deque(maxlen=hedge.history)  # full-size requests only
         self.min_latency: float | None = None  # the lowest of them: the round-trip estimate
         self.hedge_after = float("inf")
+        self.delivered = 0  # bytes answered, ever: the delivery-rate clock
+        self.bandwidth: float | None = None  # bytes/s: the highest recent delivery rate
+        self._rates: deque[tuple[float, float]] = deque()  # (when, rate), rates decreasing
+        self._marks: deque[tuple[float, int]] = deque()  # (when, delivered) over the last round trip
+        self._mins: deque[tuple[float, float]] = deque()  # (when, latency), latencies increasing
+        self.filled = False  # the delivery rate stopped growing: the pipe is full
+        self._full_bw, self._flat_rounds, self._round_end = 0.0, 0, 0.0
+        self.sizer: _RequestSizer | None = None
+        self.started = False
+        self._logged: dict[str, float] = {}
+        self.state = "start"
 
-    def answered(self, latency: float, full: bool) -> None:
-        """A request came back whole after ``latency`` seconds: size the window.
+    def start(self, batch_size: int, preferred: int | None) -> None:
+        """The first run: choose the request size and the first window."""
+        if self.started:
+            return
+        self.started = True
+        p = self.prefetch
+        preferred = preferred or 32
+        if p.request_size is not None:
+            self.request_size = p.request_size
+        elif not self.tuned:
+            self.request_size = preferred
+        else:
+            # small first: the first batch spread over about eight requests in flight together
+            self.request_size = max(4, min(preferred, -(-batch_size // 8)))
+            upper = min(1024, max(self.request_size, int(p.max_bytes / (16 * self.mean_bytes))))
+            self.sizer = _RequestSizer(self.request_size, upper)
+        if p.initial_inflight is not None:
+            self.window = float(p.initial_inflight)
+        elif self.tuned:
+            # enough requests that the first round trip fills the first batch
+            first = max(self.MIN_START, -(-batch_size // self.request_size))
+            self.window = float(max(1, min(first, self._cap())))
+        else:
+            self.window = 2.0
+        self._log("start", f"window starts at {self.window:g} requests of {self.request_size} ids")
 
-        It grows by one per answer (doubling per round trip) until answers
-        start to queue: ``window * (1 - min_latency / latency)`` estimates how
-        many requests wait at the bottleneck (the server, or the link); above
-        ``QUEUE_HIGH`` the window shrinks, between the two it holds. Extra
-        requests there would add only memory and latency, not throughput.
+    def _cap(self) -> float:
+        """The most requests the options allow: ``max_inflight`` and, tuned, the byte budget."""
+        cap = float(self.prefetch.inflight_cap)
+        if self.tuned:
+            cap = min(cap, max(1.0, self.prefetch.max_bytes / (self.request_size * self.mean_bytes)))
+        return cap
+
+    def target(self) -> float:
+        """Where the window may grow to: ``GAIN`` x the bandwidth-delay product, within the cap."""
+        cap = self._cap()
+        if not self.tuned or self.bandwidth is None or self.min_latency is None:
+            return cap
+        bdp = self.bandwidth * self.min_latency / (self.request_size * self.mean_bytes)
+        gain = self.GAIN if self.filled else self.STARTUP_GAIN
+        return max(float(self.MIN_WINDOW), min(cap, gain * bdp))
+
+    def rate_sample(self, now: float) -> None:
+        """A request was answered at ``now``: sample the delivery rate over the last round trip.
+
+        The bytes answered over at least a round trip (and ``RATE_MIN_S``), not
+        per request as BBR does per packet: answers come in bursts (a loop
+        that was not scheduled for a few ms handles many at once), and a burst
+        over one request's latency would read as a rate the link never had.
+        """
+        if not self.tuned:
+            return
+        marks = self._marks
+        marks.append((now, self.delivered))
+        span = max(self.RATE_MIN_S, self.min_latency or 0.0)
+        while len(marks) > 2 and marks[1][0] <= now - span:
+            marks.popleft()
+        then, delivered = marks[0]
+        if now - then < span:
+            return
+        rate = (self.delivered - delivered) / (now - then)
+        rates = self._rates
+        span = max(self.RATE_SPAN_S, self.RATE_ROUNDS * (self.min_latency or 0.0))
+        while rates and rates[-1][1] <= rate:
+            rates.pop()
+        rates.append((now, rate))
+        while rates[0][0] < now - span:
+            rates.popleft()
+        self.bandwidth = rates[0][1]
+        if not self.filled and now >= self._round_end and self.min_latency is not None:
+            # once a round trip: has the rate grown by a quarter? three times no: the pipe is full
+            self._round_end = now + self.min_latency
+            if self.bandwidth >= 1.25 * self._full_bw:
+                self._full_bw, self._flat_rounds = self.bandwidth, 0
+            else:
+                self._flat_rounds += 1
+                if self._flat_rounds >= 3:
+                    self.filled = True
+                    self._log("filled", f"delivery rate levelled off at {self.bandwidth / 1e6:,.1f} MB/s: "
+                                        f"window towards {self._why(self.target())}")
+
+    def answered(self, latency: float, full: bool, size: int = 0, samples: int = 0) -> None:
+        """A request of ``size`` ids came back whole after ``latency`` seconds: size the window.
+
+        It grows by one per answer (doubling per round trip) up to
+        :meth:`target` until answers start to queue: ``window * (1 -
+        min_latency / latency)`` estimates how many requests wait at the
+        bottleneck (the server, or the link); above ``QUEUE_HIGH`` the window
+        shrinks, between the two it holds. Extra requests there would add only
+        memory and latency, not throughput.
         """
         p = self.prefetch
+        if self.sizer is not None and samples:
+            change = self.sizer.answered(size, samples, self.window)
+            if change is not None:
+                self._resize(*change)
         if not full:
             return  # a short request (a retry, a hedge, an epoch's tail) says little about queueing
         self.latencies.append(latency)
-        self.min_latency = min(self.latencies)
+        if self.tuned:
+            self.min_latency = self._windowed_min(latency)
+        else:
+            self.min_latency = min(self.latencies)
         queued = 0.0
         if p.adaptive and latency > 0:
             queued = self.window * (1.0 - self.min_latency / latency)
-        if queued < self.QUEUE_LOW:
-            self.window = min(float(p.max_inflight), self.window + 1.0)
-        elif queued > self.QUEUE_HIGH:
-            self.window = max(float(p.initial_inflight), self.window - 0.5)
+        target = self.target()
+        floor = float(self.MIN_WINDOW if self.tuned else p.initial_inflight or 2)
+        if self.tuned:
+            # BBR's rule: grow to the target whatever the latency; Vegas' only past the gain
+            low, high = _INF, max(self.QUEUE_HIGH, self.SHARE_HIGH * self.window)
+        else:
+            low, high = self.QUEUE_LOW, self.QUEUE_HIGH
+        if queued > high:
+            self.window = max(min(floor, target), self.window - 0.5)
+            self._note("queueing", f"answers queue ({queued:.0f} requests' worth): window down to {self.window:.0f}")
+        elif self.window > target:
+            self.window = max(target, self.window - 1.0)
+            self._note("above", f"window down to {self.window:.0f}, towards {self._why(target)}")
+        elif queued < low and self.window < target:
+            self.window = min(target, self.window + 1.0)
+            self._note("growing", f"window up to {self.window:.0f}, towards {self._why(target)}")
+
+    def _windowed_min(self, latency: float) -> float:
+        """The lowest latency of the last ``MIN_LATENCY_S`` seconds."""
+        now = time.monotonic()
+        mins = self._mins
+        while mins and mins[-1][1] >= latency:
+            mins.pop()
+        mins.append((now, latency))
+        while mins[0][0] < now - self.MIN_LATENCY_S:
+            mins.popleft()
+        return mins[0][1]
+
+    def _why(self, target: float) -> str:
+        if self.bandwidth is None or self.min_latency is None or not self.tuned or target >= self._cap():
+            return f"the cap of {target:.0f} requests ({self._cap_reason()})"
+        return (f"{target:.0f} = {self.GAIN:g} x {self.bandwidth / 1e6:,.1f} MB/s x {self.min_latency * 1e3:.1f} ms "
+                f"in requests of {self.request_size} ids x {self.mean_bytes / 1e3:,.0f} kB")
+
+    def _cap_reason(self) -> str:
+        p = self.prefetch
+        if self.tuned and p.max_bytes / (self.request_size * self.mean_bytes) < p.inflight_cap:
+            return f"max_bytes {p.max_bytes / 2**20:,.0f} MiB"
+        return "max_inflight" if p.max_inflight is not None else "the default limit"
+
+    def _resize(self, size: int, why: str) -> None:
+        if size != self.request_size:
+            # keep the bytes in flight. The lowest latency stays: measured while the window was
+            # small, it is the round trip without our own queueing (a larger request only adds
+            # its transfer time, so the BDP errs low, on the side of less memory)
+            self.window = max(1.0, self.window * self.request_size / size)
+            self.request_size = size
+            self.latencies.clear()  # the hedge's quantile: of this size
+        tune_log.info("request size %d: %s", size, why)
 
     def failed(self) -> None:
-        self.window = max(float(self.prefetch.initial_inflight), self.window / 2)
+        floor = float(self.MIN_WINDOW if self.tuned else self.prefetch.initial_inflight or 2)
+        self.window = max(floor, self.window / 2)
+        self._note("failed", f"a request failed: window halved to {self.window:.0f}")
+
+    def _note(self, kind: str, message: str) -> None:
+        """Log a window decision: at most one per ``LOG_EVERY`` seconds of each kind."""
+        self.state = kind
+        if time.monotonic() - self._logged.get(kind, -_INF) >= self.LOG_EVERY:
+            self._log(kind, message)
+
+    def _log(self, kind: str, message: str) -> None:
+        self._logged[kind] = time.monotonic()
+        tune_log.info("%s", message)
 
 
 @dataclass(eq=False)
@@ -191,6 +455,7 @@ class _Req:
     attempt: int
     reserved: int
     per_sample: int = 0
+    size: int = 0  # the request size when it was sent: fewer ids make it short
     hedge: bool = False
     twin: _Req | None = None
     deadline: float = float("inf")  # when to hedge it
@@ -335,10 +600,14 @@ class Run:
         self._next_plan = next_plan
         self.current = self._epoch(plan, done)
         self.ahead: _Epoch | None = None
-        self.request_size = prefetch.request_size or getattr(source, "preferred_request_size", 32)
         self.link = link if link is not None else Link(prefetch, hedge)
+        self.link.start(batch_size, getattr(source, "preferred_request_size", None))
         self._seq = itertools.count()
         self._active: set[_Req] = set()
+        self._finished: list[_Req] = []  # requests whose task ended, not yet handled
+        self._nreq = 0  # requests in flight that are not hedges
+        self._nhedge = 0
+        self._hedges: list[tuple[float, int, _Req]] = []  # heap of (deadline, seq, request) to hedge
         self._reserved = 0
         self._wake: asyncio.Future | None = None
         self._rand = random.Random(plan.seed * 1000003 + plan.epoch)
@@ -359,9 +628,17 @@ class Run:
         self.ready_bytes -= nbytes
         self._poke()
 
+    @property
+    def request_size(self) -> int:
+        return self.link.request_size
+
     def _poke(self) -> None:
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
+
+    def _task_done(self, req: _Req) -> None:
+        self._finished.append(req)
+        self._poke()
 
     # --- the dispatcher ----------------------------------------------------------
     async def run(self) -> None:
@@ -375,24 +652,32 @@ class Run:
                 self._held = None
                 wake_at = min(self._dispatch(now), self._maybe_hedge(now))
                 held, held_from = self._held, now
-                self._wake = loop.create_future()
-                waiters = {r.task for r in self._active}
-                waiters.add(self._wake)
-                timeout = None if wake_at == _INF else max(0.0, wake_at - loop.time())
-                done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if not self._finished:
+                    # sleep until an answer, a release or the next timer: O(1) per event, whatever the window
+                    self._wake = loop.create_future()
+                    timer = None if wake_at == _INF else loop.call_at(wake_at, self._poke)
+                    try:
+                        await self._wake
+                    finally:
+                        if timer is not None:
+                            timer.cancel()
                 now = loop.time()
                 if held == "window":
                     self.c.window_full += now - held_from
                 elif held == "budget":
                     self.c.budget_full += now - held_from
-                for req in [r for r in self._active if r.task in done]:
-                    self._on_done(req, now)
+                finished, self._finished = self._finished, []
+                for req in finished:
+                    if req in self._active:
+                        self._on_done(req, now)
         finally:
             for req in self._active:
                 req.task.cancel()
             if self._active:
                 await asyncio.gather(*(r.task for r in self._active), return_exceptions=True)
             self._active.clear()
+            self._hedges.clear()
+            self._nreq = self._nhedge = 0
             self.c.inflight = 0
 
     def _advance(self) -> None:
@@ -455,9 +740,6 @@ class Run:
             return 0
         return ahead.partial_bytes + sum(b.nbytes for b in ahead.outbox)
 
-    def _requests(self) -> int:
-        return sum(1 for r in self._active if not r.hedge)
-
     def _dispatch(self, now: float) -> float:
         """Send what may go now, the current epoch first; return when to look
         again (inf: at the next event, an answer or a release)."""
@@ -478,7 +760,7 @@ class Run:
     def _feed(self, ep: _Epoch, now: float) -> tuple[bool, float]:
         """Send ``ep``'s due retries, then its fresh positions, while the window
         and the budget allow. Returns (blocked by window or budget, next retry due)."""
-        while self._requests() < self.link.window:
+        while self._nreq < self.link.window:
             if ep.retries and ep.retries[0][0] <= now:
                 _, _, positions, attempt = ep.retries[0]
                 positions = [p for p in positions if p not in ep.completed and not ep.cover.get(p)]
@@ -556,16 +838,22 @@ class Run:
             ep.attempts[p] = max(ep.attempts.get(p, 0), attempt)
         per_sample = int(self.link.mean_bytes)
         reserved = per_sample * len(positions)
-        req = _Req(ep, by_id, now, attempt, reserved, per_sample, hedge=hedge_of is not None, twin=hedge_of)
+        req = _Req(ep, by_id, now, attempt, reserved, per_sample, size=self.request_size,
+                   hedge=hedge_of is not None, twin=hedge_of)
         if hedge_of is not None:
             hedge_of.twin = req
             self.c.hedges += 1
-        elif self.link.hedge_after != float("inf"):
-            req.deadline = now + self.link.hedge_after
+            self._nhedge += 1
+        else:
+            self._nreq += 1
+            if self.link.hedge_after != _INF:
+                req.deadline = now + self.link.hedge_after
+                heapq.heappush(self._hedges, (req.deadline, next(self._seq), req))
         self._reserved += reserved
         ep.reserved += reserved
         self.c.peak_bytes = max(self.c.peak_bytes, self._reserved + self.ready_bytes)
         req.task = asyncio.ensure_future(self._fetch(req))
+        req.task.add_done_callback(lambda _, req=req: self._task_done(req))
         self._active.add(req)
         ep.active += 1
         self.c.requests += 1
@@ -598,6 +886,7 @@ class Run:
             return
         nbytes = len(result.data)
         self.c.received += nbytes
+        self.link.delivered += nbytes
         self.link.mean_bytes += (nbytes - self.link.mean_bytes) * 0.05
         first = True
         if ep.first_fail:
@@ -620,6 +909,10 @@ class Run:
 
     def _on_done(self, req: _Req, now: float) -> None:
         self._active.discard(req)
+        if req.hedge:
+            self._nhedge -= 1
+        else:
+            self._nreq -= 1
         self._reserved -= req.reserved
         ep = req.epoch
         ep.active -= 1
@@ -636,15 +929,16 @@ class Run:
         if task.cancelled():
             pass  # a hedge twin made it redundant, or the epoch was abandoned
         elif exc is None and not missing:
-            full = not req.hedge and sum(map(len, req.positions.values())) >= self.request_size
-            self.link.answered(now - req.start, full)
             lat = now - req.start
+            full = not req.hedge and sum(map(len, req.positions.values())) >= req.size
+            self.link.rate_sample(now)
+            self.link.answered(lat, full, req.size, len(req.answered))
             c = self.c
             c.request_latency = lat if c.request_latency is None else c.request_latency * 0.875 + lat * 0.125
             c.answers += 1
             c.latency_sum += lat
             c.min_latency = self.link.min_latency
-            if full and len(self.link.latencies) >= 8 and len(self.link.latencies) % 8 == 0 and self.hedge.enabled:
+            if full and len(self.link.latencies) >= 8 and c.answers % 8 == 0 and self.hedge.enabled:
                 p95 = float(np.percentile(np.fromiter(self.link.latencies, float), 95))
                 self.link.hedge_after = max(self.hedge.min_delay, self.hedge.factor * p95)
         else:
@@ -681,12 +975,18 @@ class Run:
         if not self.hedge.enabled or self._fails_in_row >= self.retry.breaker_after:
             return _INF
         budget = max(1, int(self.hedge.max_fraction * self.link.window))
-        hedges = sum(1 for r in self._active if r.hedge)
-        for req in sorted((r for r in self._active if not r.hedge and r.twin is None), key=lambda r: r.deadline):
+        hedges = self._nhedge
+        heap = self._hedges
+        while heap:
+            deadline, _, req = heap[0]
+            if req not in self._active or req.twin is not None or req.deadline != deadline:
+                heapq.heappop(heap)  # answered, hedged already, or re-timed
+                continue
             if hedges >= budget:
                 return _INF  # the next chance comes with an answer
-            if req.deadline > now:
-                return req.deadline
+            if deadline > now:
+                return deadline
+            heapq.heappop(heap)
             ep = req.epoch
             rest = [p for ps in req.positions.values() for p in ps if p not in ep.completed]
             req.deadline = _INF
