@@ -1,0 +1,203 @@
+"""The tuned window and request size (``Prefetch(tune=True)``, the default), on the real engine.
+
+Sources are :class:`MemorySource` with a latency, an emulated bottleneck
+(``rate``) or a server of a few slots, so the link's bandwidth-delay product
+is known; the assertions are about sizes (requests, bytes), with tolerance,
+never about time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+
+import pytest
+
+from dataferry.client import Hedge, Loader, MemorySource, Prefetch
+from dataferry.client._engine import Link
+
+NO_HEDGE = Hedge(enabled=False)
+
+
+class Recording(MemorySource):
+    """Counts requests in flight (peak) and the sizes asked for."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.inflight = self.peak = 0
+        self.sizes: Counter[int] = Counter()
+        self.started_before_first_answer: int | None = None
+        self._started = 0
+
+    async def fetch(self, dataset, ids):
+        self.inflight += 1
+        self._started += 1
+        self.peak = max(self.peak, self.inflight)
+        self.sizes[len(ids)] += 1
+        try:
+            first = True
+            async for r in super().fetch(dataset, ids):
+                if first and self.started_before_first_answer is None:
+                    self.started_before_first_answer = self._started
+                first = False
+                yield r
+        finally:
+            self.inflight -= 1
+
+
+class Slots(Recording):
+    """A server that serves ``slots`` requests at once, ``service`` seconds each: more queue."""
+
+    def __init__(self, *a, slots: int, service: float, **kw):
+        super().__init__(*a, **kw)
+        self.slots, self.service = slots, service
+        self._sem: asyncio.Semaphore | None = None
+
+    async def fetch(self, dataset, ids):
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.slots)
+        async with self._sem:
+            await asyncio.sleep(self.service)
+        async for r in super().fetch(dataset, ids):
+            yield r
+
+
+def samples(n: int, size: int):
+    return MemorySource.synthetic("d", n, size=size).samples.values()
+
+
+def epochs(loader, count: int) -> list[int]:
+    ids = []
+    for _ in range(count):
+        for batch in loader:
+            ids.extend(batch.ids.tolist())
+    return ids
+
+
+def test_the_window_grows_to_cover_the_bandwidth_delay_product():
+    # 100 ms, 2 MB/s, 2 KB samples, 8 per request: the BDP is 200 KB = 100 samples = 12.5 requests
+    latency, rate, size, rs = 0.1, 2e6, 2000, 8
+    src = Recording("d", samples(2000, size), latency=latency, rate=rate)
+    with Loader(src, "d", batch_size=64, prefetch=Prefetch(request_size=rs), hedge=NO_HEDGE) as loader:
+        got = epochs(loader, 1)
+        link = loader._link
+    assert Counter(got) == Counter(range(2000))
+    bdp = rate * latency / (rs * size)
+    assert 0.6 * rate <= link.bandwidth <= 1.5 * rate, link.bandwidth
+    assert latency <= link.min_latency <= 2 * latency
+    # in flight: at least the BDP, at most the gain's worth of it (a queue of one BDP at most)
+    assert bdp <= src.peak <= Link.STARTUP_GAIN * bdp * 1.5 + 2, (src.peak, bdp)
+    assert link.window <= Link.STARTUP_GAIN * bdp * 1.5 + 2
+
+
+def test_with_no_bottleneck_the_window_grows_to_the_byte_budget_and_stays_within_it():
+    # 200 ms and no rate limit: nothing but max_bytes bounds the window (1 MiB / (8 x 1 KiB) = 128 requests)
+    size, rs, budget = 1024, 8, 1 << 20
+    src = Recording("d", samples(6000, size), latency=0.2)
+    prefetch = Prefetch(request_size=rs, max_bytes=budget, sample_bytes_hint=size)
+    with Loader(src, "d", batch_size=64, prefetch=prefetch, hedge=NO_HEDGE) as loader:
+        got = epochs(loader, 1)
+        stats = loader.stats()
+        window = loader._link.window
+    assert Counter(got) == Counter(range(6000))
+    cap = budget / (rs * size)
+    assert 0.75 * cap <= src.peak <= cap, (src.peak, cap)  # grew far past the old 64, and no further than the budget
+    assert window <= cap
+    assert stats.peak_bytes <= budget
+
+
+def test_the_window_stops_at_a_queueing_bottleneck():
+    # a server of 4 slots, 20 ms each: 4 requests in flight carry all it can serve; more only queue
+    src = Slots("d", samples(3000, 256), slots=4, service=0.02)
+    with Loader(src, "d", batch_size=64, prefetch=Prefetch(request_size=8), hedge=NO_HEDGE) as loader:
+        got = epochs(loader, 1)
+        window = loader._link.window
+    assert Counter(got) == Counter(range(3000))
+    assert window <= 4 * Link.STARTUP_GAIN + 2, window  # not the byte budget's 512 MiB / 2 KiB
+    assert src.peak <= 8 * Link.STARTUP_GAIN, src.peak
+
+
+def test_the_window_shrinks_when_the_bottleneck_narrows():
+    src = Slots("d", samples(1500, 256), slots=64, service=0.03)
+    with Loader(src, "d", batch_size=64, prefetch=Prefetch(request_size=8), hedge=NO_HEDGE) as loader:
+        epochs(loader, 1)
+        wide = loader._link.window
+        src.slots, src._sem = 2, None  # the server now serves two at a time
+        epochs(loader, 3)
+        narrow = loader._link.window
+    assert wide >= 16, wide
+    assert narrow <= wide / 2 and narrow <= 2 * Link.STARTUP_GAIN + 2, (wide, narrow)
+
+
+def test_the_first_round_trip_carries_the_first_batch():
+    src = Recording("d", samples(1024, 512), latency=0.1)
+    with Loader(src, "d", batch_size=256, hedge=NO_HEDGE) as loader:
+        next(iter(loader))
+        size = loader._link.request_size
+    # the first batch was asked for before any answer came back, in requests of batch/8 ids
+    assert size == 32
+    assert src.started_before_first_answer >= 256 // size
+
+
+class Overhead(Recording):
+    """Each request costs ``cpu`` seconds of the engine thread's CPU (a heavy request path)."""
+
+    def __init__(self, *a, cpu: float, **kw):
+        super().__init__(*a, **kw)
+        self.cpu = cpu
+
+    async def fetch(self, dataset, ids):
+        end = time.thread_time() + self.cpu
+        while time.thread_time() < end:
+            pass
+        async for r in super().fetch(dataset, ids):
+            yield r
+
+
+def test_the_request_size_grows_when_requests_cost_cpu_and_each_decision_is_logged(caplog):
+    # 1 ms of CPU per request against a few us per sample: bigger requests pay; the budget allows
+    # up to 256 ids per request (max_bytes / (16 x 64 B))
+    src = Overhead("d", samples(4096, 64), cpu=0.001)
+    prefetch = Prefetch(max_bytes=256 * 16 * 64, sample_bytes_hint=64)
+    with caplog.at_level(logging.INFO, logger="dataferry.client.tune"):
+        with Loader(src, "d", batch_size=64, prefetch=prefetch, hedge=NO_HEDGE) as loader:
+            got = epochs(loader, 8)
+            link = loader._link
+    assert Counter(got) == Counter({i: 8 for i in range(4096)})
+    lines = [r.getMessage() for r in caplog.records if r.name == "dataferry.client.tune"]
+    assert lines[0].startswith("window starts at ") and "of 8 ids" in lines[0]
+    sizes = [line for line in lines if line.startswith("request size ")]
+    assert sizes and "us of CPU per sample" in sizes[0]
+    assert link.request_size >= 64, sizes
+    # each size sent (beyond epoch tails and the start) was announced first
+    announced = {8} | {int(line.split()[2].rstrip(":")) for line in sizes}
+    assert {n for n, k in src.sizes.items() if k > 2} <= announced, (src.sizes, announced)
+
+
+def test_explicit_options_turn_the_tuner_off(caplog):
+    src = Recording("d", samples(3000, 64), latency=0.01)
+    prefetch = Prefetch(request_size=16, max_inflight=6)
+    with caplog.at_level(logging.INFO, logger="dataferry.client.tune"):
+        with Loader(src, "d", batch_size=64, prefetch=prefetch, hedge=NO_HEDGE) as loader:
+            epochs(loader, 2)
+    assert set(src.sizes) <= set(range(1, 17)) and src.sizes[16] > 100
+    assert src.peak <= 6
+    assert not [r for r in caplog.records if r.getMessage().startswith("request size")]
+
+    fixed = Recording("d", samples(3000, 64), latency=0.01)
+    fixed.preferred_request_size = 24
+    with Loader(fixed, "d", batch_size=64, prefetch=Prefetch(tune=False), hedge=NO_HEDGE) as loader:
+        epochs(loader, 2)
+    assert set(fixed.sizes) <= set(range(1, 25)) and fixed.sizes[24] > 100  # the source's size, not tuned
+    assert fixed.peak <= 64  # the fixed scheme's cap
+
+
+@pytest.mark.parametrize("kw", [dict(max_inflight=0), dict(initial_inflight=0), dict(max_inflight=4, initial_inflight=5),
+                                dict(tune=False, initial_inflight=65)])
+def test_window_options_are_validated(kw):
+    from dataferry.schema._errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        Prefetch(**kw)
