@@ -168,7 +168,8 @@ class _Servers:
     s3: tuple[str, int] | None = None
     mds_remote: str = ""
     litdata_remote: str = ""
-    s3_missing: str | None = None  # why the S3 peers cannot run: "n/a: ..." or "error: ..."
+    #: S3 peer -> why it cannot run: "n/a: ..." (not installed here) or "error: ..." (its data could not be made)
+    s3_missing: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _log(text: str) -> None:
@@ -195,7 +196,7 @@ def _start(stack: contextlib.ExitStack, opts: SweepOptions, link) -> tuple[_Serv
     s3 = {}
     if any(n in S3_LOADERS for n in opts.loaders):
         s3 = _s3_datasets(stack, opts, link, sqlite_url)
-        meta["s3"] = s3.get("s3_missing") or "moto"
+        meta["s3"] = {n: s3.get("s3_missing", {}).get(n, "ok") for n in S3_LOADERS if n in opts.loaders}
     cql_url = cql = None
     if any(n.startswith("cql-") for n in opts.loaders):
         cql_url, cql = stack.enter_context(link.cassandra(opts.images))
@@ -206,23 +207,31 @@ def _start(stack: contextlib.ExitStack, opts: SweepOptions, link) -> tuple[_Serv
 
 
 def _s3_datasets(stack: contextlib.ExitStack, opts: SweepOptions, link, sqlite_url: str) -> dict:
-    """The S3 server and datasets of the MosaicML Streaming and LitData peers, as
-    :class:`_Servers` fields; ``s3_missing`` says why there are none."""
+    """The S3 server and datasets of the MosaicML Streaming and LitData peers
+    in the sweep, as :class:`_Servers` fields; ``s3_missing`` says why a peer has none."""
+    wanted = [n for n in S3_LOADERS if n in opts.loaders]
     try:
         from . import _s3peers
     except ImportError as exc:
-        return {"s3_missing": f"n/a: the MosaicML Streaming and LitData peers cannot be imported ({exc})"}
-    why = _s3peers.available()
-    if why is not None:
-        _log(f"bench: mosaic and litdata not measured: {why}")
-        return {"s3_missing": f"n/a: {why}"}
+        return {"s3_missing": {n: f"n/a: bench/_s3peers.py cannot be imported ({exc})" for n in wanted}}
+    missing = {}
+    for name in wanted:
+        why = _s3peers.available(name)
+        if why is not None:
+            _log(f"bench: {name} not measured: {why}")
+            missing[name] = f"n/a: {why}"
+    peers = [n for n in wanted if n not in missing]
+    if not peers:
+        return {"s3_missing": missing}
     try:
         data = stack.enter_context(_s3peers.s3_datasets(sqlite_url, DATASET, host=link.host, wrap=link.wrap,
-                                                        shard_mb=opts.shard_mb))
+                                                        shard_mb=opts.shard_mb, peers=peers))
     except Exception as exc:  # noqa: BLE001 - recorded for their runs, and the sweep goes on
         _log(f"bench: the S3 datasets could not be made: {type(exc).__name__}: {exc}")
-        return {"s3_missing": f"error: the S3 datasets could not be made: {type(exc).__name__}: {exc}"}
-    return {"s3": tuple(data.endpoint), "mds_remote": data.mds_remote, "litdata_remote": data.litdata_remote}
+        why = f"error: the S3 datasets could not be made: {type(exc).__name__}: {exc}"
+        return {"s3_missing": missing | {n: why for n in peers}}
+    return {"s3": tuple(data.endpoint), "mds_remote": data.mds_remote or "", "litdata_remote": data.litdata_remote or "",
+            "s3_missing": missing}
 
 
 def _factory(name: str, servers: _Servers, opts: SweepOptions):
@@ -315,8 +324,8 @@ def _measure_isolated(name: str, servers: _Servers, opts: SweepOptions) -> Measu
 
 
 def _run_one(name: str, cond: Condition, repeat: int, servers: _Servers, route, opts: SweepOptions) -> Run:
-    if name in S3_LOADERS and servers.s3_missing:
-        return Run(name, cond, repeat, servers.s3_missing)
+    if name in servers.s3_missing:
+        return Run(name, cond, repeat, servers.s3_missing[name])
     try:
         m = _measure_isolated(name, _routed(name, servers, route), opts)
     except Exception as exc:  # noqa: BLE001 - recorded, and the sweep goes on

@@ -38,13 +38,13 @@ def read_runs(out) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def s3_peers_missing() -> str | None:
-    """Why the MosaicML Streaming and LitData peers cannot run here, or None."""
+def s3_peer_missing(name: str) -> str | None:
+    """Why the S3 peer ``name`` (MosaicML Streaming or LitData) cannot run here, or None."""
     try:
         from dataferry.bench import _s3peers
     except ImportError as exc:
-        return str(exc)
-    return _s3peers.available()
+        return f"bench/_s3peers.py cannot be imported ({exc})"
+    return _s3peers.available(name)
 
 
 @needs_torch
@@ -61,9 +61,9 @@ def test_tiny_sweep_writes_runs_summary_table_and_plots(tmp_path):
     runs = read_runs(out)
     measured = {r["loader"]: r for r in runs if r["loss_pct"] == "0.0"}
     assert sorted(measured) == sorted(loaders)
-    missing = s3_peers_missing()
     for name, r in measured.items():
-        if name in S3_LOADERS and missing:
+        missing = s3_peer_missing(name) if name in S3_LOADERS else None
+        if missing:
             assert r["status"] == f"n/a: {missing}", r  # recorded, and the sweep went on
             continue
         assert r["status"] == "ok" and float(r["samples_per_s"]) > 0 and float(r["first_batch_s"]) > 0 \
