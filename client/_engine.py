@@ -148,13 +148,16 @@ class _RequestSizer:
     """Ids per request from the engine's own CPU cost (``Prefetch(tune=True)``
     and no ``request_size``).
 
-    A request has a fixed cost (a task, a POST and its headers, a response to
-    open) and a cost per sample. Measured as the event-loop thread's CPU per
-    sample over a few thousand samples at size ``n`` and then at ``2n``, the
-    difference is half the per-request overhead spread over ``n`` samples:
-    the size doubles while that cuts the CPU per sample by more than
-    ``SAVING``, and stays at the last size that did. It starts small, so the
-    first batch is spread over several requests in flight at once.
+    A request has a fixed cost ``o`` (a task, a POST and its headers, a
+    response to open) and a cost per sample ``c``. It starts small, so the
+    first batch is spread over several requests in flight at once; then the
+    event-loop thread's CPU per sample is measured over a few thousand samples
+    at that size ``n`` (``c + o/n``) and at ``2n`` (``c + o/2n``), which gives
+    both costs. If ``2n`` saved less than ``SAVING`` the size goes back to
+    ``n``; else it is the smallest power-of-two multiple of ``n`` past which a
+    doubling would save less than ``SAVING``, within what the byte budget
+    allows (16 requests in ``max_bytes``, 1024 ids at most). Decided once per
+    loader.
     """
 
     SAVING = 0.05
@@ -164,13 +167,13 @@ class _RequestSizer:
 
     def __init__(self, size: int, upper: int) -> None:
         self.size, self.upper = size, max(size, upper)
-        self.done = size * 2 > self.upper
+        self.done = False
         self.settle = 32  # answers to let pass first (the start, or the old size's after a change)
         self._parts: list[float] = []
         self._samples = self._requests = 0
         self._cpu0: float | None = None
         self._t0 = 0.0
-        self._before: float | None = None  # CPU per sample at size // 2
+        self._before: float | None = None  # CPU per sample at the first size
 
     def answered(self, size: int, samples: int, window: float) -> tuple[int, str] | None:
         """A request of ``size`` ids came back with ``samples``: a new size and why, or None."""
@@ -195,25 +198,34 @@ class _RequestSizer:
         if len(self._parts) < self.PARTS:
             return None
         per_sample, self._parts, self._cpu0 = min(self._parts), [], None
-        before, self._before = self._before, per_sample
         n = self.size
-        if before is not None and before - per_sample <= self.SAVING * before:
-            self.done = True
-            self.size = n // 2
-            return self.size, (
-                f"{n} ids per request took {per_sample * 1e6:.1f} us of CPU per sample, {n // 2} took "
-                f"{before * 1e6:.1f}: less than {self.SAVING:.0%} saved; back to {n // 2}"
-            )
-        why = f"{n} ids per request: {per_sample * 1e6:.1f} us of CPU per sample"
-        if before is not None:
-            overhead = (before - per_sample) * n  # before - after = overhead / n
-            why += f" (vs {before * 1e6:.1f} at {n // 2}: about {overhead * 1e6:.0f} us per request)"
-        if n * 2 > self.upper:
-            self.done = True
-            return n, why + f"; {n} is the largest the byte budget allows"
-        self.size = n * 2
-        self.settle = int(window) + 1
-        return self.size, why + f"; trying {n * 2}"
+        if self._before is None:  # measured at the first size: now at twice that
+            self._before = per_sample
+            if n * 2 > self.upper:
+                self.done = True
+                return n, f"{n} ids per request: {per_sample * 1e6:.1f} us of CPU per sample; the byte budget allows no more"
+            self.size = n * 2
+            self.settle = int(window) + 1
+            return self.size, f"{n} ids per request: {per_sample * 1e6:.1f} us of CPU per sample; trying {n * 2}"
+        self.done = True
+        a, b, small = self._before, per_sample, n // 2  # CPU per sample at n/2 and at n
+        if a - b <= self.SAVING * a:
+            self.size = small
+            return small, (f"{n} ids per request took {b * 1e6:.1f} us of CPU per sample, {small} took "
+                           f"{a * 1e6:.1f}: less than {self.SAVING:.0%} saved; back to {small}")
+        # a = c + o / small, b = c + o / n: the per-request overhead o and the per-sample cost c
+        overhead = (a - b) * n
+        cost = max(b - (a - b), 1e-9)
+        # the size past which doubling saves less than SAVING: o/(2m) < SAVING (c + o/m)
+        best = overhead * (0.5 - self.SAVING) / (self.SAVING * cost)
+        size = n
+        while size < best and size * 2 <= self.upper:
+            size *= 2
+        self.size = size
+        capped = "; the byte budget allows no more" if size * 2 > self.upper and size < best else ""
+        return size, (f"{small} ids per request took {a * 1e6:.1f} us of CPU per sample, {n} took {b * 1e6:.1f}: "
+                      f"about {overhead * 1e6:.0f} us per request and {cost * 1e6:.1f} us per sample, so "
+                      f"{size} ids{capped}")
 
 
 class Link:
@@ -289,8 +301,7 @@ class Link:
         else:
             # small first: the first batch spread over about eight requests in flight together
             self.request_size = max(4, min(preferred, -(-batch_size // 8)))
-            upper = min(1024, max(self.request_size, int(p.max_bytes / (16 * self.mean_bytes))))
-            self.sizer = _RequestSizer(self.request_size, upper)
+            self.sizer = _RequestSizer(self.request_size, self._size_cap())
         if p.initial_inflight is not None:
             self.window = float(p.initial_inflight)
         elif self.tuned:
@@ -300,6 +311,10 @@ class Link:
         else:
             self.window = 2.0
         self._log("start", f"window starts at {self.window:g} requests of {self.request_size} ids")
+
+    def _size_cap(self) -> int:
+        """The most ids per request the tuner may choose: 16 requests fit in ``max_bytes``; 1024."""
+        return min(1024, int(self.prefetch.max_bytes / (16 * self.mean_bytes)))
 
     def _cap(self) -> float:
         """The most requests the options allow: ``max_inflight`` and, tuned, the byte budget."""
@@ -367,7 +382,8 @@ class Link:
         memory and latency, not throughput.
         """
         p = self.prefetch
-        if self.sizer is not None and samples:
+        if self.sizer is not None and samples and not self.sizer.done:
+            self.sizer.upper = max(self.sizer.size, self._size_cap())
             change = self.sizer.answered(size, samples, self.window)
             if change is not None:
                 self._resize(*change)

@@ -1,0 +1,95 @@
+"""Defaults against the self-tuning loader against a hand-tuned grid, on two links.
+
+``python -m dataferry.bench.tune [--seconds 3] [--runs 3] [--images 2048] [--size 110000] [--links fast,slow]``
+
+The links (``--links``):
+
+* ``fast``: 0 ms, unlimited: the engine's own CPU is the limit;
+* ``slow``: 200 ms round trip at 100 Mbit/s, one bottleneck shared by every
+  request in flight.
+
+Both are :class:`~dataferry.client.MemorySource` (``latency``, ``rate``), not
+the latency proxy: the proxy's ``--rate`` caps each TCP connection on its own,
+so a loader with more connections would get more than 100 Mbit/s, and the
+comparison would reward opening connections rather than sizing the window.
+
+Per link, medians of ``--runs`` (interleaved) of samples/s over the whole run
+(from creating the Loader to the last batch, the ramp included) for:
+
+* ``defaults``: the fixed scheme, ``Prefetch(tune=False)`` (2 requests,
+  one more per answer up to 64, 32 ids each: the defaults before tuning);
+* ``tuned``: ``Prefetch()``, the self-tuning window and request size;
+* the grid: ``Prefetch(tune=False, request_size=R, max_inflight=W)`` for
+  each R and W, and the best of it (``best hand-tuned``).
+
+It ends with ``tuned / best hand-tuned`` per link.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from ._common import table
+from .window import make_source, run_once
+
+__all__ = ["LINKS", "main"]
+
+#: name -> (latency s, rate Mbit/s or None, request sizes, windows) of the hand-tuned grid
+LINKS = {
+    "fast": (0.0, None, (32, 64, 128, 256), (2, 4, 16, 64)),
+    "slow": (0.2, 100.0, (8, 32, 128), (2, 8, 64)),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dataferry.client import Prefetch
+
+    p = argparse.ArgumentParser(prog="python -m dataferry.bench.tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=3.0, help="per run on the fast link (x4 on the slow one)")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--images", type=int, default=2048)
+    p.add_argument("--size", type=int, default=110_000, help="bytes per sample")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--links", default="fast,slow")
+    args = p.parse_args(argv)
+    summary = []
+    for name in args.links.split(","):
+        latency, rate, sizes, windows = LINKS[name]
+        seconds = args.seconds * (4 if rate else 1)
+        source = make_source(args.images, args.size, latency, rate)
+        configs = {"defaults": Prefetch(tune=False), "tuned": Prefetch()}
+        for r in sizes:
+            for w in windows:
+                configs[f"R={r} W={w}"] = Prefetch(tune=False, request_size=r, max_inflight=w,
+                                                   initial_inflight=min(2, w))
+        got: dict[str, list] = {k: [] for k in configs}
+        for _ in range(args.runs):
+            for key, prefetch in configs.items():
+                got[key].append(run_once(source, prefetch, seconds=seconds, batch_size=args.batch_size))
+        rates = {k: statistics.median(r.samples_per_s for r in runs) for k, runs in got.items()}
+        grid = {k: v for k, v in rates.items() if k.startswith("R=")}
+        best = max(grid, key=grid.get)
+        print(f"\nlink {name}: {latency * 1e3:g} ms, {f'{rate:g} Mbit/s' if rate else 'unlimited'}; "
+              f"{args.images} samples of {args.size} B, batch {args.batch_size}, {args.runs} runs of {seconds:g} s")
+        rows = []
+        for key in ("defaults", "tuned", best):
+            runs = got[key]
+            med = sorted(runs, key=lambda r: r.samples_per_s)[len(runs) // 2]
+            rows.append([key if key != best else f"best hand-tuned ({key})", f"{rates[key]:,.0f}",
+                         f"{rates[key] / rates[best]:.2f}",
+                         f"{statistics.median(r.first_batch for r in runs):.3f}",
+                         f"{statistics.median(r.us_per_sample for r in runs):.1f}",
+                         str(med.window), str(med.request_size)])
+        print(table(["setting", "samples/s", "/ best", "first batch s", "us/sample", "window", "ids/req"], rows))
+        print("grid (samples/s, rows R ids per request, columns W max_inflight):")
+        print(table(["R \\ W", *map(str, windows)],
+                    [[str(r), *(f"{rates[f'R={r} W={w}']:,.0f}" for w in windows)] for r in sizes]))
+        summary.append(f"{name}: tuned {rates['tuned']:,.0f}/s = {rates['tuned'] / rates[best]:.2f} x best "
+                       f"hand-tuned ({best}, {rates[best]:,.0f}/s); defaults {rates['defaults'] / rates[best]:.2f} x")
+    print("\n" + "\n".join(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
