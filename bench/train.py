@@ -17,6 +17,12 @@ start-up) and the **data stall**: the share of that time the training loop
 spent waiting for its next batch. Near 0% the model is the bottleneck; high,
 the input pipeline is. The loader's own stall (waiting on the network) is
 printed next to it.
+
+Every ``--interval`` seconds (default 1) the loader names what limited the
+pipeline (the link, the service, decode, or the consumer: the model; see
+``client/_attribution.py``); the run ends with a PNG (``--plot``, default
+``train.png``) of throughput and the training loop's wait over time, each
+interval shaded by its limit, and the share of time per limit.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ class TrainOptions:
     lr: float = 0.05
     seed: int = 0
     synthetic: int = 512
+    interval: float = 1.0  # seconds per attribution interval
+    plot: str | None = "train.png"  # the PNG of throughput, wait and limits; None: no plot
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +67,8 @@ class TrainResult:
     epochs: int
     device: str
     loader: str
+    #: the loader's intervals (``Interval``: figures and limit), oldest first
+    intervals: tuple = ()
 
     @property
     def images_per_s(self) -> float:
@@ -68,10 +78,68 @@ class TrainResult:
     def stall(self) -> float:
         return self.wait / self.seconds if self.seconds > 0 else 0.0
 
+    def limits(self) -> dict[str, float]:
+        """Share of the intervals' time per limit, largest first."""
+        return limit_shares(self.intervals)
+
     def __str__(self) -> str:
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in self.limits().items())
         return (f"{self.steps} steps ({self.epochs} epoch(s)) on {self.device} with the {self.loader} loader: "
                 f"{self.images_per_s:,.0f} images/s, data stall {self.stall:.1%} "
-                f"(loader network stall {self.loader_stall:.1%}), loss {self.first_loss:.3f} -> {self.last_loss:.3f}")
+                f"(loader network stall {self.loader_stall:.1%}), loss {self.first_loss:.3f} -> {self.last_loss:.3f}"
+                + (f"; limited by {shares}" if shares else ""))
+
+
+def limit_shares(intervals) -> dict[str, float]:
+    """Share of the intervals' time per limit, largest first."""
+    seconds: dict[str, float] = {}
+    for iv in intervals:
+        seconds[iv.limit] = seconds.get(iv.limit, 0.0) + iv.stats.elapsed
+    total = sum(seconds.values())
+    return {k: v / total for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])} if total > 0 else {}
+
+
+#: one colour per limit in the plot
+LIMIT_COLOURS = {"link": "tab:blue", "service": "tab:red", "decode": "tab:orange", "consumer": "tab:green"}
+
+
+def plot_intervals(intervals, path: str, title: str = "") -> str:
+    """A PNG at ``path``: samples/s (top) and the training loop's wait (bottom)
+    per interval over time, each interval shaded by what limited it; ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.patches import Patch
+
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(10, 5.5), height_ratios=(3, 2))
+    try:
+        ends = [iv.end for iv in intervals]
+        for ax in (top, bottom):
+            for iv in intervals:
+                ax.axvspan(iv.start, iv.end, color=LIMIT_COLOURS.get(iv.limit, "white"), alpha=0.18, lw=0)
+        top.step(ends, [iv.stats.samples_per_s for iv in intervals], where="pre", color="black", lw=1.5)
+        top.set_ylabel("samples/s")
+        top.set_ylim(bottom=0)
+        bottom.step(ends, [100 * iv.stats.loop_wait_fraction for iv in intervals], where="pre", color="black",
+                    lw=1.5, label="training loop waited")
+        bottom.step(ends, [100 * min(1.0, iv.stats.decode_wait / iv.stats.elapsed) if iv.stats.elapsed > 0 else 0
+                           for iv in intervals], where="pre", color="tab:orange", lw=1, ls="--", label="of it on decode")
+        bottom.set_ylabel("wait, % of interval")
+        bottom.set_ylim(0, 105)
+        bottom.set_xlabel("seconds since the first batch was asked for")
+        shares = limit_shares(intervals)
+        handles = [Patch(color=LIMIT_COLOURS[k], alpha=0.4, label=f"{k} {v:.0%}") for k, v in shares.items()]
+        top.legend(handles=handles, title="limited by", loc="upper left", fontsize="small")
+        bottom.legend(loc="upper left", fontsize="small")
+        top.set_title(title or "throughput, wait and the bottleneck per interval")
+        if not intervals:
+            top.text(0.5, 0.5, "no interval finished", transform=top.transAxes, ha="center")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
+    return path
 
 
 def small_cnn(torch, classes: int):
@@ -117,7 +185,8 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
     transform = TrainTransform(size=opts.size, scale=(0.25, 1.0))
     with contextlib.ExitStack() as stack:
         loader = stack.enter_context(Loader(opts.url, opts.dataset, split=opts.split, batch_size=opts.batch_size,
-                                            plan=PlanOptions(seed=opts.seed), drop_last=True))
+                                            plan=PlanOptions(seed=opts.seed), drop_last=True,
+                                            log_interval=opts.interval))
         if kind == "dali":
             from dataferry.client import DaliIterator, DaliOptions
 
@@ -169,8 +238,14 @@ def train(opts: TrainOptions, log=print) -> TrainResult:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t_start if t_start is not None else 0.0
         loader_stall = (loader.stats().wait - (stall0 or 0.0)) / seconds if seconds > 0 else 0.0
+        intervals = loader.intervals()
     losses.append(loss.item())
-    return TrainResult(step, images, seconds, wait, loader_stall, losses[0], losses[-1], epochs, device, kind)
+    result = TrainResult(step, images, seconds, wait, loader_stall, losses[0], losses[-1], epochs, device, kind,
+                         intervals)
+    if opts.plot:
+        plot_intervals(intervals, opts.plot, f"small CNN on {device}, {kind} loader, batch {opts.batch_size}")
+        log(f"plot of {len(intervals)} interval(s) of {opts.interval:g} s: {opts.plot}")
+    return result
 
 
 @contextlib.contextmanager
@@ -200,10 +275,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--synthetic", type=int, default=512, metavar="N",
                     help="without --url: JPEGs to make and serve (default 512)")
+    ap.add_argument("--interval", type=float, default=1.0,
+                    help="seconds per attribution interval (default 1)")
+    ap.add_argument("--plot", default="train.png", metavar="PNG",
+                    help="where to write the plot of throughput, wait and limits (default train.png; '' for none)")
     args = ap.parse_args(argv)
+    if args.interval <= 0:
+        ap.error(f"--interval must be > 0 seconds, not {args.interval}")
     opts = TrainOptions(url=args.url, dataset=args.dataset, split=args.split, steps=args.steps, device=args.device,
                         loader=args.loader, size=args.size, batch_size=args.batch_size, workers=args.workers,
-                        lr=args.lr, seed=args.seed, synthetic=args.synthetic)
+                        lr=args.lr, seed=args.seed, synthetic=args.synthetic, interval=args.interval,
+                        plot=args.plot or None)
     if opts.url is None:
         with _synthetic_service(opts.synthetic, opts.dataset) as url:
             print(f"data service on {url}")

@@ -8,17 +8,24 @@ names the limit from that interval's figures alone:
 limit         when                                                   evidence in the line
 ============  =====================================================  ==========================================
 ``consumer``  the training loop waited for data less than            its wait share: data was ready when asked
-              ``STALL`` (10%) of the interval                        for; the model (or your loop) is the limit
+              ``STALL`` (10%) of the interval (or asked for none:    for; the model (or your loop) is the limit
+              a step longer than the interval, or a pause)
 ``decode``    it waited, and more on the iterator's decode than on   decode wait, decode threads busy, the
               the loader                                             decode queue (batches decoding / depth)
 ``service``   it waited on the loader and requests queue             mean latency against its floor, requests
-              downstream: mean latency ``QUEUEING`` (1.5x) or more   queued (``window * (1 - floor/latency)``),
-              above its floor, or requests failed                    failures
+              downstream: mean latency ``QUEUEING`` (1.25x) or more  queued, failures
+              above its floor with ``QUEUED`` (1.5) requests' worth
+              waiting, or requests failed
 ``link``      it waited on the loader, the window (or the byte       share of the time the window was full,
               budget) was full and latency sat at its floor: more    latency at its floor
               requests in flight would go faster
-``idle``      no data was asked for in the interval
 ============  =====================================================  ==========================================
+
+Requests queued is TCP Vegas' estimate, as the engine's window uses it:
+the mean requests in flight (Little's law: the interval's summed latencies
+over its length) times ``1 - floor / mean latency``. Both conditions are
+needed: a latency ratio alone is noise with two requests in flight, and a
+queue estimate alone is jitter with a hundred.
 
 The floor is the lowest request latency seen over the last ``FLOOR_SPAN``
 intervals (the engine's ``min_latency`` per interval): the link's round trip
@@ -40,15 +47,16 @@ from typing import Literal
 
 from ._stats import Stats
 
-__all__ = ["Interval", "Limit", "LIMITS", "Attributor", "attribute", "STALL", "QUEUEING"]
+__all__ = ["Interval", "Limit", "LIMITS", "Attributor", "attribute", "STALL", "QUEUEING", "QUEUED"]
 
-Limit = Literal["consumer", "decode", "service", "link", "idle"]
-LIMITS: tuple[Limit, ...] = ("consumer", "decode", "service", "link", "idle")
+Limit = Literal["consumer", "decode", "service", "link"]
+LIMITS: tuple[Limit, ...] = ("consumer", "decode", "service", "link")
 
 #: the training loop waiting less than this share of the interval: data is not the limit
 STALL = 0.10
-#: mean latency this many times its floor or more: requests queue downstream
-QUEUEING = 1.5
+#: mean latency this many times its floor or more, with QUEUED requests' worth waiting: requests queue downstream
+QUEUEING = 1.25
+QUEUED = 1.5
 #: intervals over which the latency floor is the minimum
 FLOOR_SPAN = 30
 
@@ -60,8 +68,9 @@ def _ms(v: float | None) -> str:
 def attribute(s: Stats, floor: float | None) -> tuple[Limit, str]:
     """The limit of an interval's figures ``s`` (from :meth:`Stats.since`)
     and its evidence, one phrase; ``floor``: the latency floor."""
-    if s.elapsed <= 0 or (s.batches == 0 and s.loop_wait == 0):
-        return "idle", "no data was asked for"
+    if s.elapsed <= 0:
+        return "consumer", "an empty interval"
+
     def share(x: float) -> float:
         return min(1.0, x / s.elapsed)
 
@@ -82,11 +91,12 @@ def attribute(s: Stats, floor: float | None) -> tuple[Limit, str]:
     waited = f"the loop waited {share(s.wait):.0%} of the time on the loader"
     if s.failures:
         return "service", f"{waited}; {s.failures} request(s) failed, {s.retries} sample(s) retried"
-    if ratio is not None and (ratio >= QUEUEING or (held < 0.5 and ratio >= 1.2)):
-        queued = max(0.0, s.inflight * (1.0 - 1.0 / ratio))
+    in_flight = s.latency_sum / s.elapsed  # mean requests in flight (Little's law)
+    queued = 0.0 if ratio is None else max(0.0, in_flight * (1.0 - 1.0 / ratio))
+    if ratio is not None and ratio >= QUEUEING and queued >= QUEUED:
         return "service", (f"{waited}; latency {_ms(lat)}, {ratio:.1f}x its floor {_ms(floor)}: "
-                           f"~{queued:.0f} of {s.inflight} requests queued at the service")
-    at_floor = "-" if ratio is None else f"{_ms(lat)} at its floor {_ms(floor)}"
+                           f"~{queued:.0f} of {in_flight:.0f} requests in flight queued at the service")
+    at_floor = "-" if ratio is None else f"{_ms(lat)} near its floor {_ms(floor)} (~{queued:.1f} requests queued)"
     return "link", f"{waited}; {what} full {held:.0%} of the time, latency {at_floor}"
 
 

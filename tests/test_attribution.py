@@ -232,7 +232,7 @@ def test_each_interval_is_one_log_line_with_the_verdict_and_its_evidence(caplog)
     assert "limited by link (the loop waited" in lines[-1] and "window full" in lines[-1]
 
 
-def test_intervals_add_up_to_the_totals_and_a_loop_that_asks_nothing_is_idle():
+def test_intervals_add_up_to_the_totals_and_a_loop_that_asks_nothing_is_the_limit():
     src = synthetic(n=2000)
     with Loader(src, "d", batch_size=100, log_interval=0.3) as loader:
         total = sum(len(b) for b in loader)
@@ -241,7 +241,7 @@ def test_intervals_add_up_to_the_totals_and_a_loop_that_asks_nothing_is_idle():
         stats = loader.stats()
     assert sum(iv.stats.samples for iv in ivs) == total == stats.samples == 2000
     assert all(b.start == pytest.approx(a.end, abs=1e-9) for a, b in zip(ivs, ivs[1:]))
-    assert ivs[-1].limit == "idle"  # nothing asked for after the epoch
+    assert ivs[-1].limit == "consumer"  # the loop asked for nothing after the epoch: data was not its limit
 
 
 def test_the_prometheus_export_serves_the_metrics_over_http():
@@ -279,3 +279,21 @@ def test_the_prometheus_export_serves_the_metrics_over_http():
     assert not [n for n in names if f"`{n}`" not in doc], "OPERATIONS.md does not list them"
     documented = set(re.findall(r"`(dataferry_client_[a-z_]+)`", doc))
     assert documented <= set(names), documented - set(names)
+
+
+def test_the_train_bench_plots_throughput_wait_and_the_limit_per_interval(tmp_path):
+    """``bench.train.plot_intervals`` on a real loader's intervals: a PNG, and
+    the shares of time per limit that its legend shows."""
+    from dataferry.bench.train import limit_shares, plot_intervals
+
+    src = synthetic(latency=0.05)
+    with Loader(src, "d", batch_size=32, prefetch=Prefetch(max_inflight=2, request_size=16),
+                log_interval=0.2) as loader:
+        run_for(loader, 0.7)
+        run_for(loader, 0.7, per_batch=0.05)  # then the consumer is the limit
+        intervals = loader.intervals()
+    shares = limit_shares(intervals)
+    assert set(shares) == {"link", "consumer"} and sum(shares.values()) == pytest.approx(1.0)
+    png = plot_intervals(intervals, str(tmp_path / "t.png"), "test")
+    data = Path(png).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

@@ -16,9 +16,11 @@ pytestmark = pytest.mark.slow
 ARGS = ["--synthetic", "40", "--steps", "12", "--batch-size", "8", "--size", "32", "--device", "cpu", "--workers", "2"]
 
 
-def _run(capsys, loader: str) -> str:
-    assert train.main([*ARGS, "--loader", loader]) == 0
+def _run(capsys, loader: str, tmp_path) -> str:
+    png = tmp_path / "train.png"
+    assert train.main([*ARGS, "--loader", loader, "--interval", "0.2", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"interval(s) of 0.2 s: {png}" in out
     assert "data service on http://127.0.0.1:" in out
     m = re.search(r"12 steps \((\d+) epoch\(s\)\) on cpu with the (\w+) loader: ([\d,]+) images/s, "
                   r"data stall ([\d.]+)% \(loader network stall ([\d.]+)%\), loss ([\d.]+) -> ([\d.]+)", out)
@@ -30,13 +32,13 @@ def _run(capsys, loader: str) -> str:
     return out
 
 
-def test_trains_with_the_torch_loader(capsys):
-    _run(capsys, "torch")
+def test_trains_with_the_torch_loader(capsys, tmp_path):
+    _run(capsys, "torch", tmp_path)
 
 
-def test_trains_with_dali_on_the_cpu(capsys):
+def test_trains_with_dali_on_the_cpu(capsys, tmp_path):
     pytest.importorskip("nvidia.dali")
-    _run(capsys, "dali")
+    _run(capsys, "dali", tmp_path)
 
 
 def test_refuses_a_dataset_smaller_than_a_batch(capsys):
