@@ -46,15 +46,18 @@ class Run:
         return self.samples / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def measure(source, dataset: str, epochs: int, batch_size: int) -> Run:
-    """One Loader over ``source`` for ``epochs`` epochs, from its first batch to its last."""
+def measure(source, dataset: str, epochs: int, batch_size: int, warmup: int = 1) -> Run:
+    """One Loader over ``source``: ``warmup`` epochs, then ``epochs`` measured
+    (from the first batch after the warm-up to the last)."""
     from dataferry.client import Loader
 
     with Loader(source, dataset, batch_size=batch_size) as loader:
         samples = 0
         c0 = t0 = None
-        for _ in range(epochs):
+        for epoch in range(warmup + epochs):
             for batch in loader:
+                if epoch < warmup:
+                    continue
                 if c0 is None:
                     c0, t0 = time.process_time(), time.perf_counter()
                     continue

@@ -7,18 +7,24 @@ uses (``read_split``, ``list_datasets``, ``get_dataset``, ``list_splits``).
 arrive, in the server's completion order; the wire format is in
 ``dataferry/schema/_wire.py``.
 
-One ``aiohttp.ClientSession`` with a keep-alive pool of
-``HttpOptions.connections`` connections carries every request, so the engine's
-window of requests in flight rides on warm connections; ``preferred_request_size``
-ids per request keeps responses few and large across a long link.
+A keep-alive pool of ``HttpOptions.connections`` connections (``_conn.py``:
+HTTP/1.1 on asyncio's ``BufferedProtocol``) carries every request, so the
+engine's window of requests in flight rides on warm connections;
+``preferred_request_size`` ids per request keeps responses few and large
+across a long link. A sample's bytes are read by the kernel straight into the
+buffer ``Sample.data`` views (a read-only ``memoryview``): no copy after the
+socket for all but the few bytes that share a read with a record header.
+Those buffers come from a :class:`~._buffers.BufferPool` and go back to it
+when nothing refers to them any more.
 
 Errors are translated here, at the boundary, and name the service URL:
 
 =====================================  ==============================
-aiohttp / server                       raised
+connection / server                    raised
 =====================================  ==============================
 refused, reset, disconnected, cut      StoreUnavailable
 TLS handshake or verification failed   StoreUnavailable
+malformed HTTP                         StoreUnavailable
 connect/read timeout, 503 store_timeout StoreTimeout
 401                                    TokenRefused (a StoreUnavailable)
 404 dataset_not_found/split_not_found  DatasetNotFound / SplitNotFound
@@ -45,7 +51,6 @@ the server's reader: the client sends the file's first token.
 
 from __future__ import annotations
 
-import asyncio
 import datetime as _dt
 import json
 import ssl
@@ -53,7 +58,6 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from urllib.parse import quote
 
-import aiohttp
 from yarl import URL
 
 from dataferry.schema import DatasetInfo, IdList, Sample, SampleNotFound, SplitInfo, read_token_file
@@ -74,11 +78,14 @@ from dataferry.schema._wire import (
     IDS_TYPE,
     EndRecord,
     ErrorRecord,
+    FrameDecoder,
     WireFormatError,
     decode_idlist,
     encode_ids,
-    read_frames,
 )
+
+from ._buffers import BufferPool
+from ._conn import Connection, HttpProtocolError, Pool, Unreachable, collector, read_body
 
 __all__ = ["HttpSource", "HttpOptions", "TokenRefused", "RequestRejected"]
 
@@ -108,10 +115,13 @@ class HttpOptions:
     #: read the bearer token from this file when ``open`` is given none: the
     #: server's token file (one per line, # comments); the first token is sent
     token_file: str | None = None
-    #: bytes aiohttp buffers per response before pausing the socket
+    #: bytes of received samples a response may hold, not yet taken by the
+    #: engine, before its socket is paused (backpressure to the server)
     read_buffer: int = 1 << 20
     #: the largest record accepted (guards memory against a broken server)
     max_record_bytes: int = 1 << 30
+    #: bytes of free receive buffers kept for reuse (see ``_buffers.py``)
+    spare_buffers: int = 64 << 20
 
     def __post_init__(self) -> None:
         _check(self.connections >= 1, f"connections must be >= 1, not {self.connections}")
@@ -119,6 +129,7 @@ class HttpOptions:
         _check(min(self.connect_timeout, self.read_timeout, self.keepalive) > 0, "timeouts must be > 0")
         _check(self.read_buffer >= 1 << 14, "read_buffer must be at least 16 KiB")
         _check(self.max_record_bytes >= 1 << 16, "max_record_bytes must be at least 64 KiB")
+        _check(self.spare_buffers >= 0, f"spare_buffers must be >= 0, not {self.spare_buffers}")
 
 
 class TokenRefused(StoreUnavailable):
@@ -143,6 +154,8 @@ def _rejected(message: str, status: int, error: str, detail: str) -> RequestReje
 
 #: statuses a proxy or balancer answers while the service behind it is down or restarting
 _GATEWAY = (502, 503, 504)
+#: what the connection layer raises about the transport (``_conn.py``)
+_TRANSPORT_ERRORS = (OSError, EOFError, TimeoutError, HttpProtocolError)
 
 
 def _base_url(url: str) -> str:
@@ -170,12 +183,19 @@ def _ssl_context(options: HttpOptions) -> ssl.SSLContext:
 class HttpSource:
     """A data service at ``url``, read over HTTP(S). Open with :meth:`open`."""
 
-    def __init__(self, url: str, session: aiohttp.ClientSession, options: HttpOptions) -> None:
+    def __init__(self, url: str, pool: Pool, options: HttpOptions, token: str | None) -> None:
         self.url = url
         self.options = options
         self.preferred_request_size = options.request_size
-        self._session: aiohttp.ClientSession | None = session
-        self._has_token = "Authorization" in session.headers
+        self._pool: Pool | None = pool
+        self._buffers = BufferPool(options.spare_buffers)
+        self._has_token = token is not None
+        u = URL(url)
+        host = f"[{u.host}]" if ":" in (u.host or "") else u.host
+        netloc = host if u.is_default_port() else f"{host}:{u.port}"
+        self._prefix = u.raw_path.rstrip("/")
+        auth = f"Authorization: Bearer {token}\r\n" if token else ""
+        self._headers = f"Host: {netloc}\r\nUser-Agent: dataferry\r\nAccept-Encoding: identity\r\n{auth}"
 
     @classmethod
     async def open(cls, url: str, *, token: str | None = None, options: HttpOptions = HttpOptions()) -> HttpSource:
@@ -188,51 +208,50 @@ class HttpSource:
             token = read_token_file(options.token_file)[0]  # the server accepts each; a rotation lists old first
         if token is not None:
             _check(valid_token(token), "token must be non-empty printable ASCII without spaces")
-        connector = aiohttp.TCPConnector(
-            limit=options.connections,
-            limit_per_host=0,
-            keepalive_timeout=options.keepalive,
-            ssl=_ssl_context(options) if base.startswith("https:") else False,
+        u = URL(base)
+        pool = Pool(
+            u.host, u.port, ssl_context=_ssl_context(options) if u.scheme == "https" else None,
+            connections=options.connections, connect_timeout=options.connect_timeout,
+            read_timeout=options.read_timeout, keepalive=options.keepalive,
         )
-        session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=options.connect_timeout, sock_read=options.read_timeout),
-            headers={"Authorization": f"Bearer {token}"} if token else None,
-            read_bufsize=options.read_buffer,
-            auto_decompress=False,
-            trust_env=False,
-        )
-        return cls(base, session, options)
+        return cls(base, pool, options, token)
 
     # --- the seam ------------------------------------------------------------------
     async def fetch(self, dataset: str, ids: Sequence[int]) -> AsyncIterator[Sample | SampleNotFound]:
         """One batch request; yield each record as it arrives (completion order)."""
-        ids = list(ids)
-        if not ids:
+        if not len(ids):
             return
         what = f"fetch of {len(ids)} samples of dataset {dataset!r}"
         answered = 0
+        path = self._path(dataset, "samples")
+        body = encode_ids(ids)
+        request = self._request("POST", path, body, IDS_TYPE)
+        decoder = FrameDecoder(dataset, max_record=self.options.max_record_bytes, alloc=self._buffers.take)
         try:
-            async with self._open_session().post(
-                self._url(dataset, "samples"), data=encode_ids(ids), headers={"Content-Type": IDS_TYPE}
-            ) as resp:
-                await self._check_response(resp, FRAMES_TYPE, what, dataset=dataset)
-                async for rec in read_frames(resp.content, dataset, max_record=self.options.max_record_bytes):
-                    if isinstance(rec, ErrorRecord):
-                        cls = StoreTimeout if rec.error == "store_timeout" else StoreUnavailable
-                        raise cls(f"{self.url}: {what} failed after {answered} answers: {rec.detail}")
-                    if isinstance(rec, EndRecord):
-                        if answered != len(ids):
-                            raise StoreError(f"{self.url}: {what} ended after {answered} answers")
-                        # wait for the body's end too, so the connection goes back to the pool
-                        if await resp.content.read():
-                            raise WireFormatError("bytes after the END record")
+            async with self._open_pool().exchange(request, FRAMES_TYPE, decoder,
+                                                  pause_above=self.options.read_buffer) as conn:
+                await self._check_response(conn, "POST", path, FRAMES_TYPE, what, dataset=dataset)
+                while True:
+                    if decoder.records:
+                        for rec in decoder.take():
+                            if type(rec) is Sample or type(rec) is SampleNotFound:
+                                answered += 1
+                                yield rec
+                            elif type(rec) is ErrorRecord:
+                                cls = StoreTimeout if rec.error == "store_timeout" else StoreUnavailable
+                                raise cls(f"{self.url}: {what} failed after {answered} answers: {rec.detail}")
+                            elif answered != len(ids):
+                                raise StoreError(f"{self.url}: {what} ended after {answered} answers")
+                        conn.resume()
+                    elif conn.complete:  # the body's end (after END, so the connection goes back to the pool)
+                        if not decoder.done:
+                            raise ConnectionResetError("the answer ended in the middle of the records")
                         return
-                    answered += 1
-                    yield rec
+                    else:
+                        await conn.wait()
         except WireFormatError as exc:
             raise StoreError(f"{self.url}: corrupt response to {what}: {exc}") from exc
-        except (aiohttp.ClientError, OSError, EOFError, asyncio.TimeoutError) as exc:
+        except _TRANSPORT_ERRORS as exc:
             raise self._translate(exc, f"{what} (after {answered} answers)") from exc
 
     # --- catalog -------------------------------------------------------------------
@@ -260,34 +279,58 @@ class HttpSource:
     async def read_split(self, dataset: str, split: str) -> IdList:
         what = f"read split {dataset}/{split}"
         try:
-            async with self._open_session().get(self._url(dataset, "splits", split)) as resp:
-                await self._check_response(resp, IDLIST_TYPE, what, dataset=dataset, split=split)
-                body = await resp.read()
+            body = await self._get(self._path(dataset, "splits", split), IDLIST_TYPE, what, dataset=dataset, split=split)
             return decode_idlist(body)
         except WireFormatError as exc:
             raise StoreError(f"{self.url}: corrupt response to {what}: {exc}") from exc
-        except (aiohttp.ClientError, OSError, EOFError, asyncio.TimeoutError) as exc:
+
+    async def derive_split(self, dataset: str, where: str, *, name: str | None = None, parent: str = "all"):
+        """``POST /v1/datasets/{dataset}/splits``: the service derives (or reuses) the split of
+        ``parent`` whose metadata match ``where``; its ``DerivedSplit`` record (``schema/_splits.py``).
+        The service must answer within ``read_timeout``: raise it for a big dataset on a slow store."""
+        from dataferry.schema._splits import DerivedSplit
+
+        what = f"derive a split of {dataset}/{parent}"
+        path = self._path(dataset, "splits")
+        body = json.dumps({"where": where, "from": parent, **({"name": name} if name is not None else {})}).encode()
+        try:
+            request = self._request("POST", path, body, "application/json")
+            async with self._open_pool().exchange(request, "application/json", collector()) as conn:
+                await self._check_response(conn, "POST", path, "application/json", what, dataset=dataset, split=parent)
+                raw = await read_body(conn)
+        except _TRANSPORT_ERRORS as exc:
             raise self._translate(exc, what) from exc
+        try:
+            return DerivedSplit.from_json(json.loads(raw))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreError(f"{self.url}: malformed answer to {what}: {exc!r}") from exc
 
     # --- plumbing ----------------------------------------------------------------------
-    def _open_session(self) -> aiohttp.ClientSession:
-        if self._session is None:
+    def _open_pool(self) -> Pool:
+        if self._pool is None:
             raise StoreUnavailable(f"HttpSource for {self.url} is closed")
-        return self._session
+        return self._pool
 
     def _path(self, dataset: str, *rest: str) -> str:
         return "/".join(["/v1/datasets", *(quote(p, safe="") for p in (dataset, *rest))])
 
-    def _url(self, dataset: str, *rest: str) -> URL:
-        return URL(self.url + self._path(dataset, *rest), encoded=True)
+    def _request(self, method: str, path: str, body: bytes = b"", ctype: str | None = None) -> bytes:
+        head = f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._headers}"
+        if ctype is not None:
+            head += f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+        return (head + "\r\n").encode("latin-1") + body
+
+    async def _get(self, path: str, ctype: str, what: str, **names: str) -> bytes:
+        """The body of a GET of ``path``, checked to be a 200 of ``ctype``."""
+        try:
+            async with self._open_pool().exchange(self._request("GET", path), ctype, collector()) as conn:
+                await self._check_response(conn, "GET", path, ctype, what, **names)
+                return await read_body(conn)
+        except _TRANSPORT_ERRORS as exc:
+            raise self._translate(exc, what) from exc
 
     async def _get_json(self, path: str, what: str, **names: str) -> dict:
-        try:
-            async with self._open_session().get(URL(self.url + path, encoded=True)) as resp:
-                await self._check_response(resp, "application/json", what, **names)
-                raw = await resp.read()
-        except (aiohttp.ClientError, OSError, EOFError, asyncio.TimeoutError) as exc:
-            raise self._translate(exc, what) from exc
+        raw = await self._get(path, "application/json", what, **names)
         try:
             doc = json.loads(raw)
         except ValueError as exc:
@@ -301,19 +344,21 @@ class HttpSource:
         created = _dt.datetime.fromisoformat(str(d["created"]))
         return DatasetInfo(str(d["name"]), tuple(str(x) for x in d["label_names"]), int(d["num_samples"]), created)
 
-    async def _check_response(self, resp: aiohttp.ClientResponse, ctype: str, what: str, **names: str) -> None:
-        if resp.status == 200:
-            if resp.content_type != ctype:
-                raise self._not_the_service(resp, ctype, what)
+    async def _check_response(self, conn: Connection, method: str, path: str, ctype: str, what: str,
+                              **names: str) -> None:
+        head = conn.head
+        if head.status == 200:
+            if head.content_type != ctype:
+                raise self._not_the_service(head, method, path, ctype, what)
             return
-        doc = await self._error_doc(resp)
-        status = resp.status
+        doc = await self._error_doc(conn)
+        status = head.status
         if status == 401:
             hint = "refused the token" if self._has_token else "requires a token and none was given"
-            detail = doc[1] if doc else f"HTTP 401 ({resp.content_type})"
+            detail = doc[1] if doc else f"HTTP 401 ({head.content_type})"
             raise TokenRefused(f"the data service at {self.url} {hint} ({what}): {detail}")
         if doc is None:
-            raise self._not_the_service(resp, ctype, what)
+            raise self._not_the_service(head, method, path, ctype, what)
         error, detail, body = doc
         if status == 404 and error == "dataset_not_found":
             raise DatasetNotFound(names.get("dataset", str(body.get("dataset", ""))), f"data service {self.url}")
@@ -328,50 +373,50 @@ class HttpSource:
         raise StoreError(f"{self.url}: {what}: HTTP {status} {error}: {detail}")
 
     @staticmethod
-    async def _error_doc(resp: aiohttp.ClientResponse) -> tuple[str, str, dict] | None:
+    async def _error_doc(conn: Connection) -> tuple[str, str, dict] | None:
         """``(error, detail, body)`` of the service's JSON error body, or None when the answer is not one."""
-        if resp.content_type != "application/json":
+        if conn.head.content_type != "application/json":
             return None
         try:
-            doc = json.loads(await resp.content.read(1 << 16))
+            doc = json.loads(await read_body(conn))
         except ValueError:
             return None
         if not isinstance(doc, dict) or not isinstance(doc.get("error"), str):
             return None
         return doc["error"], " ".join(str(doc.get("detail", "")).split()), doc
 
-    def _not_the_service(self, resp: aiohttp.ClientResponse, expected: str, what: str) -> DataferryError:
+    def _not_the_service(self, head, method: str, path: str, expected: str, what: str) -> DataferryError:
         """One line for an answer that did not come from a data service: what
         was expected, what answered, the URL asked; never the page itself."""
-        got = f"HTTP {resp.status} {resp.reason or ''}".rstrip() + f" ({resp.content_type})"
-        asked = f"{resp.method} {resp.url}"
-        if resp.status in _GATEWAY:  # a proxy or balancer whose service is down or restarting: retryable
+        got = f"HTTP {head.status} {head.reason or ''}".rstrip() + f" ({head.content_type})"
+        asked = f"{method} {self.url}{path}"
+        if head.status in _GATEWAY:  # a proxy or balancer whose service is down or restarting: retryable
             return StoreUnavailable(
                 f"{self.url}: {what}: expected the data service's answer, got {got} from {asked} (a proxy?)"
             )
         return RequestRejected(
-            self.url, resp.status, "not_a_data_service", got,
+            self.url, head.status, "not_a_data_service", got,
             message=f"not a dataferry data service at {self.url} (wrong URL or prefix?): {what}: "
                     f"expected 200 {expected} or a JSON error, got {got} from {asked}",
         )
 
     def _translate(self, exc: BaseException, what: str) -> StoreError:
-        if isinstance(exc, (aiohttp.ServerTimeoutError, asyncio.TimeoutError)):
+        if isinstance(exc, TimeoutError):
             return StoreTimeout(f"{self.url}: {what} timed out: {exc or type(exc).__name__}")
-        if isinstance(exc, aiohttp.ClientSSLError):
-            return StoreUnavailable(f"TLS with {self.url} failed ({what}): {exc}")
-        if isinstance(exc, (aiohttp.ClientConnectorError,)):
-            return StoreUnavailable(f"cannot connect to {self.url} ({what}): {exc.os_error or exc}")
-        if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError, EOFError)):
-            return StoreUnavailable(f"lost connection to {self.url} during {what}: {exc or type(exc).__name__}")
-        return StoreError(f"{self.url}: {what} failed: {exc}")
+        if isinstance(exc, Unreachable):
+            if isinstance(exc.os_error, ssl.SSLError):
+                return StoreUnavailable(f"TLS with {self.url} failed ({what}): {exc.os_error}")
+            return StoreUnavailable(f"cannot connect to {self.url} ({what}): {exc.os_error}")
+        if isinstance(exc, HttpProtocolError):
+            return StoreUnavailable(f"malformed HTTP answer from {self.url} ({what}): {exc}")
+        return StoreUnavailable(f"lost connection to {self.url} during {what}: {exc or type(exc).__name__}")
 
     # --- lifetime ----------------------------------------------------------------------
     async def close(self) -> None:
         """Close the pool. Safe to call twice."""
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
 
     async def __aenter__(self) -> HttpSource:
         return self
