@@ -30,6 +30,7 @@ from typing import Literal
 from dataferry.schema import ALL_SPLIT, IdList, SampleSource
 from dataferry.schema._aio import LoopThread
 from dataferry.schema._errors import ConfigError, DataferryError
+from dataferry.schema._splits import content_hash
 
 from ._engine import Batch, EndOfEpoch, Link, Run, describe_source, retrying
 from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
@@ -66,6 +67,18 @@ async def _open_source(source) -> tuple[SampleSource, bool]:
     return await open_store(source, create=False), True
 
 
+async def _derive(source, dataset: str, where: str, parent: str):
+    """The derived split of ``parent`` matching ``where``: made (or reused) by the
+    data service, or here over a store's metadata."""
+    if hasattr(source, "derive_split"):  # the data service
+        return await source.derive_split(dataset, where, parent=parent)
+    if hasattr(source, "read_meta") and hasattr(source, "put_derived"):
+        from dataferry.schema._splits import derive_split
+
+        return await derive_split(source, dataset, where, parent=parent)
+    raise ConfigError(f"{describe_source(source)} cannot filter by metadata: where= needs a store or data service")
+
+
 async def _close_source(source, owned: bool) -> None:
     if owned:
         await source.close()
@@ -92,6 +105,12 @@ class Loader:
     (``http(s)://...``), or an async factory returning a source (for sources
     bound to the engine's event loop); the loader opens the last three on its
     loop and closes them.
+    ``where`` (a metadata filter: ``dataferry/schema/_filter.py``) reads the
+    derived split of ``split``'s samples that match it, made or reused (same
+    filter over unchanged data) on the fly, by the data service or over the
+    store's metadata; ``derived`` is its record. ``state_dict()`` keeps the
+    split's name and content hash, and ``load_state_dict`` refuses a split
+    whose content changed.
     The epoch's ids come from ``ids`` when given, else from the source's
     ``read_split(dataset, split)``. Every interval (``log_interval``
     seconds, else 10) the loader names what limited it: the link, the
@@ -108,6 +127,7 @@ class Loader:
         *,
         split: str = ALL_SPLIT,
         ids: IdList | None = None,
+        where: str | None = None,
         batch_size: int = 256,
         drop_last: bool = False,
         order: Literal["completion", "input"] = "completion",
@@ -127,12 +147,19 @@ class Loader:
             raise ConfigError(f"order must be 'completion' or 'input', not {order!r}")
         if ids is None and hasattr(source, "fetch") and not hasattr(source, "read_split"):
             raise ConfigError("this source has no catalog: pass ids=IdList(...)")
+        if where is not None:
+            if ids is not None:
+                raise ConfigError("pass ids= or where=, not both")
+            from dataferry.schema._filter import parse_filter
+
+            parse_filter(where)  # a bad filter fails here, before any connection
         self._dataset, self._split = dataset, split
         self._batch_size, self._drop_last, self._order = batch_size, drop_last, order
         self._plan_options, self._prefetch, self._retry, self._hedge, self._errors = plan, prefetch, retry, hedge, errors
         self._epoch = epoch
         self._claimed = epoch  # the epoch the next iter() walks
         self._ids = ids
+        self._split_hash: str | None = None  # content_hash of the id list read
         self._counters = Counters()  # written on the engine's loop
         self._taken = Taken()  # written by the consumer's thread
         self._link = Link(prefetch, hedge)
@@ -151,6 +178,15 @@ class Loader:
             self._finalizer()
             raise
         self._state["source"] = (self._source, owned)
+        #: the derived split read, when ``where`` was given (its record)
+        self.derived = None
+        if where is not None:
+            try:
+                self.derived = self._lt.call(_derive(self._source, dataset, where, split))
+            except BaseException:
+                self._finalizer()
+                raise
+            self._split = self.derived.name
         self._attributor = Attributor()
         self._lt.loop.call_soon_threadsafe(
             _every_interval, weakref.ref(self), self._lt.loop, log_interval or DEFAULT_INTERVAL, log_interval is not None)
@@ -193,6 +229,8 @@ class Loader:
             self._ids = self._lt.call(
                 retrying(lambda: src.read_split(self.dataset, self.split), self.retry, what, describe_source(src))
             )
+        if self._split_hash is None:
+            self._split_hash = content_hash(self._ids)
         return self._ids
 
     def _plan_for(self, epoch: int) -> EpochPlan:
@@ -344,6 +382,7 @@ class Loader:
             "version": _STATE_VERSION,
             "dataset": self.dataset,
             "split": self.split,
+            "split_hash": self._split_hash,
             "epoch": self.epoch,
             "seed": plan.seed,
             "rank": plan.rank,
@@ -362,6 +401,16 @@ class Loader:
         self._stop_run()
         epoch = int(state["epoch"])
         plan = make_plan(self._idlist(), epoch, self._plan_options)
+        if state.get("dataset") == self.dataset and state.get("split") != self.split:
+            raise ConfigError(f"loader state is for split {state.get('split')!r} of dataset {self.dataset!r}, "
+                              f"this loader reads split {self.split!r}")
+        saved = state.get("split_hash")
+        if saved is not None and saved != self._split_hash:
+            raise ConfigError(
+                f"split {self.split!r} of dataset {self.dataset!r} changed since the state was saved (content "
+                f"{saved}, now {self._split_hash}): resuming would mix two different id lists; "
+                "start over with set_epoch(), or restore the split"
+            )
         checks = {
             "dataset": self.dataset, "seed": plan.seed, "rank": plan.rank,
             "world_size": plan.world_size, "split_digest": plan.source_digest, "num_samples": len(plan),

@@ -58,6 +58,7 @@ __all__ = ["FilterError", "parse_filter", "compile_filter", "Filter", "MAX_FILTE
 MAX_FILTER_CHARS = 8192
 _MAX_DEPTH = 64
 _MAX_IN_VALUES = 10_000
+_MAX_NUMBER_CHARS = 64
 
 _NUMBER_FIELDS = {"id": "id", "label": "label", "width": "width", "height": "height", "size": "size", "bytes": "size"}
 _TEXT_FIELDS = {"label_name", "format", "path"}
@@ -125,6 +126,8 @@ def _tokens(text: str) -> list[_Tok]:
             end = m.end()
             if end < n and (text[end].isalnum() or text[end] == "_"):
                 raise FilterError(text, i + 1, f"malformed number {text[i:end + 1]!r}")
+            if len(raw) > _MAX_NUMBER_CHARS:
+                raise FilterError(text, i + 1, f"number of {len(raw)} characters; the limit is {_MAX_NUMBER_CHARS}")
             value: object = int(raw) if re.fullmatch(r"[+-]?\d+", raw) else float(raw)
             if isinstance(value, float) and not math.isfinite(value):
                 raise FilterError(text, i + 1, f"number {raw!r} is out of range")

@@ -15,6 +15,7 @@ from dataferry.schema._wire import IDLIST_TYPE, idlist_header, idlist_parts
 from dataferry.schema import DatasetInfo
 from dataferry.schema._errors import StoreError
 
+from ._derive import create_split
 from ._errors import JSON_TYPE, error_body
 from ._keys import GATE, METRICS, REGISTRY
 from ._metrics import CONTENT_TYPE as METRICS_TYPE
@@ -81,6 +82,10 @@ async def read_split(request: web.Request) -> web.StreamResponse:
         return resp  # the client went away; aiohttp closes the connection
     request.app[METRICS].bytes.inc(16 + 12 * n)
     return resp
+
+
+# a derived split from a metadata filter (``_derive.py``)
+routes.post("/v1/datasets/{name}/splits")(create_split)
 
 
 # --- batch fetch -------------------------------------------------------------------------

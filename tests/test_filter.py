@@ -14,6 +14,7 @@ import datetime as dt
 import fnmatch
 import json
 import sqlite3
+import types
 import uuid
 
 import numpy as np
@@ -201,6 +202,8 @@ def test_deep_nesting_and_huge_filters_are_refused_not_crashing():
         parse_filter("(" * 500 + "width = 1" + ")" * 500)
     with pytest.raises(FilterError, match="not " * 0 + "nested more than"):
         parse_filter("not " * 500 + "width = 1")
+    with pytest.raises(FilterError, match="number of 5000 characters; the limit is 64 at position 9"):
+        parse_filter("width = " + "9" * 5000)  # int() would refuse it with a ValueError (found by the API fuzzer)
     with pytest.raises(FilterError, match="limit is 8192"):
         parse_filter("width = 1 or " * 1000 + "width = 2")
 
@@ -387,3 +390,192 @@ def test_a_keyspace_without_the_derived_table_opens_and_says_how_to_add_it(cassa
             return await derive_split(store, "d", "width > 1", name="x", progress=False)
 
     assert run(again()).num_ids == 20
+
+
+# --- through the data service ----------------------------------------------------------------------
+class CountingFetches:
+    """The real store, counting sample reads: deriving must read metadata alone."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.fetched = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def fetch(self, dataset, ids):
+        async for r in self.inner.fetch(dataset, ids):
+            self.fetched += 1
+            yield r
+
+
+@pytest.fixture
+def service(tmp_path):
+    from server_kit import live_server
+
+    from dataferry.server import make_app
+
+    url = f"sqlite://{tmp_path / 'svc.db'}"
+    run(_fill_url(url, "pets", metas("pets", 1500)))
+    opened = []
+
+    async def build():
+        store = await open_store(url, create=False)
+        opened.append(store)
+        opened.append(CountingFetches(store))
+        return make_app(opened[-1])
+
+    with live_server(build) as live:
+        yield types.SimpleNamespace(base=live.base, app=live.app, loop=live.loop, store=opened[-1])
+        live.loop.call(opened[0].close())
+
+
+async def _fill_url(url, dataset, rows):
+    async with await open_store(url) as store:
+        await fill(store, dataset, rows)
+
+
+def _post(base: str, path: str, body: object, template: str = "/v1/datasets/{name}/splits"):
+    import aiohttp
+    from server_kit import call
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            return await call(session, "POST", base + path, template, data=data,
+                              headers={"Content-Type": "application/json"}, timeout=aiohttp.ClientTimeout(total=60))
+
+    return run(go())
+
+
+def test_the_service_derives_the_same_ids_from_metadata_alone(service):
+    status, _, body = _post(service.base, "/v1/datasets/pets/splits", {"where": WHERE, "name": "big-pets"})
+    assert status == 200, body
+    doc = json.loads(body)
+    want = expected_ids(metas("pets", 1500))
+    assert doc["num_ids"] == len(want) and doc["name"] == "big-pets" and doc["reused"] is False
+
+    from dataferry.client import Loader
+
+    with Loader(service.base, "pets", where=WHERE, batch_size=256) as loader:  # auto-named, made by the service
+        assert service.store.fetched == 0  # two splits derived, not one sample's bytes read
+        got = sorted(i for b in iter(loader) for i in b.ids.tolist())
+        assert loader.split.startswith("where-") and loader.derived.num_ids == len(want)
+    assert got == want
+    with Loader(service.base, "pets", split="big-pets") as loader:  # read like any split
+        assert loader._idlist().ids.tolist() == want
+    status, _, body = _post(service.base, "/v1/datasets/pets/splits", {"where": WHERE, "name": "big-pets"})
+    assert status == 200 and json.loads(body)["reused"] is True
+
+
+@pytest.mark.parametrize(
+    "body, status, error",
+    [
+        ({"where": "width >= and"}, 400, "bad_filter"),
+        ({"where": "width > 1", "name": "bad name!"}, 400, "bad_split_name"),
+        ({"where": "width > 1", "name": "all"}, 400, "bad_split_name"),
+        ({"where": 3}, 400, "bad_body"),
+        ({"where": "width > 1", "extra": 1}, 400, "bad_body"),
+        (b"{not json", 400, "bad_json"),
+        ({"where": "width > 1", "from": "nope"}, 404, "split_not_found"),
+    ],
+)
+def test_the_service_rejects_bad_requests_by_name(service, body, status, error):
+    got, _, raw = _post(service.base, "/v1/datasets/pets/splits", body)
+    doc = json.loads(raw)
+    assert (got, doc["error"]) == (status, error), doc
+    if error == "bad_filter":
+        assert doc["position"] == 10 and doc["detail"] == "filter: expected a value for width, found 'and' at position 10"
+
+
+def test_the_service_refuses_to_overwrite_an_ordinary_split(service):
+    live_store = service.loop.call(_put_train(service))
+    assert live_store
+    status, _, raw = _post(service.base, "/v1/datasets/pets/splits", {"where": "width > 1", "name": "train"})
+    assert status == 409 and json.loads(raw)["error"] == "split_conflict"
+    status, _, _ = _post(service.base, "/v1/datasets/nope/splits", {"where": "width > 1"})
+    assert status == 404
+
+
+async def _put_train(live):
+    from dataferry.server._keys import GATE
+
+    await live.app[GATE].store.put_split("pets", "train", IdList([1, 2], [0, 0]))
+    return True
+
+
+# --- the Loader: where=, and resuming ------------------------------------------------------------------
+def test_loader_where_on_a_store_makes_then_reuses_the_split(sqlite_store_url):
+    from dataferry.client import Loader
+
+    with Loader(sqlite_store_url, "pets", where=WHERE, batch_size=128) as loader:
+        got = sorted(i for b in iter(loader) for i in b.ids.tolist())
+        first = loader.derived
+    assert got == expected_ids(metas("pets", 1500))
+    with Loader(sqlite_store_url, "pets", where=WHERE.replace("and", "AND")) as loader:
+        assert loader.derived.reused and loader.split == first.name and loader.derived.content_hash == first.content_hash
+    with pytest.raises(FilterError, match="at position 7"):
+        Loader(sqlite_store_url, "pets", where="width ~ 3")
+
+
+def test_resuming_against_a_changed_derived_split_is_refused(tmp_path):
+    from dataferry.client import Loader
+
+    url = f"sqlite://{tmp_path / 'r.db'}"
+    run(_fill_url(url, "d", metas("d", 600)))
+    where = "width >= 700"
+    with Loader(url, "d", where=where, batch_size=32) as loader:
+        it = iter(loader)
+        next(it)
+        state = json.loads(json.dumps(loader.state_dict()))
+    assert state["split"].startswith("where-") and len(state["split_hash"]) == 32
+    with Loader(url, "d", where=where, batch_size=32) as same:  # unchanged data: resumes
+        same.load_state_dict(state)
+        rest = sum(len(b) for b in iter(same))
+        assert rest == same.derived.num_ids - 32
+    run(_fill_url(url, "d", metas("d", 700)))  # new samples, some matching: the same filter gives another split
+    with Loader(url, "d", where=where, batch_size=32) as changed:
+        assert not changed.derived.reused and changed.split == state["split"]
+        with pytest.raises(ConfigError, match=r"split 'where-\w+' of dataset 'd' changed since the state was saved"):
+            changed.load_state_dict(state)
+    with Loader(url, "d", split="all", batch_size=32) as other:
+        with pytest.raises(ConfigError, match="loader state is for split 'where-"):
+            other.load_state_dict(state)
+
+
+# --- the CLI: derived split, its stratified train/val, and a bad filter -----------------------------------
+def test_cli_derives_then_splits_the_derived_split_stratified(tmp_path, capsys):
+    url = f"sqlite://{tmp_path / 'c.db'}"
+    rows = metas("d", 2000)
+    run(_fill_url(url, "d", rows))
+    code = cli(["split", "--dataset", "d", "--store", url, "--where", "width >= 600", "--name", "wide",
+                "--ratios", "wide-train=0.8,wide-val=0.2", "--stratify", "-q"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    want = sorted(m.id for m in rows if m.width >= 600)
+    assert f"derived split 'wide' of dataset 'd': {len(want)} samples of split 'all' match 'width >= 600'; made" in out
+
+    async def read():
+        async with await open_store(url) as store:
+            return [await store.read_split("d", s) for s in ("wide", "wide-train", "wide-val")]
+
+    wide, train, val = run(read())
+    assert wide.ids.tolist() == want
+    assert sorted(train.ids.tolist() + val.ids.tolist()) == want and not set(train.ids.tolist()) & set(val.ids.tolist())
+    for lab in range(len(LABELS)):  # stratified: every label 80/20 within one sample
+        n = int(np.count_nonzero(wide.labels == lab))
+        assert abs(int(np.count_nonzero(train.labels == lab)) - 0.8 * n) < 1
+
+    code = cli(["split", "--dataset", "d", "--store", url, "--where", "width >= 600", "--name", "wide", "-q"])
+    assert code == 0 and "; reused (same filter, parent unchanged)" in capsys.readouterr()[0]
+
+
+def test_cli_bad_filter_is_one_line_and_a_caret(tmp_path, capsys):
+    code = cli(["split", "--dataset", "d", "--store", f"sqlite://{tmp_path / 'none.db'}",
+                "--where", 'width >= 3 and label_name = cat', "--name", "x"])
+    err = capsys.readouterr()[1].splitlines()
+    assert code == 2
+    assert err[0] == "dataferry: error: filter: expected a value for label_name, found 'cat' at position 29"
+    assert err[1] == "  width >= 3 and label_name = cat" and err[2] == "  " + " " * 28 + "^"
+    assert not (tmp_path / "none.db").exists()  # nothing opened
