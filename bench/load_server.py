@@ -1,21 +1,27 @@
-"""Load test: N client processes against one data server on loopback.
+"""Load test: the data server alone, under a load generator that costs it little.
 
-    python -m dataferry.bench.load_server [--seconds 30] [--clients 8] [--images 2000]
-                                          [--inflight 4] [--request-size 64] [--data synthetic|random]
+    python -m dataferry.bench.load_server [--workers 1,2] [--repeats 3] [--seconds 10] [--images 2000]
+                                          [--clients 1] [--connections 8] [--depth 2] [--request-size 64]
+                                          [--data synthetic|random]
 
-The server (``python -m dataferry.server``, uvloop) serves a SQLite store of
-``--images`` samples: synthetic ImageNet-like JPEGs of ~110 KB (made once and
-cached in the temp folder), or with ``--data random`` random bytes of the same
-sizes (instant, for smoke tests). Each client process runs its own event loop
-with one :class:`HttpSource` and keeps ``--inflight`` batch requests of
-``--request-size`` random ids in flight until the time is up.
+For each ``--workers`` value, ``--repeats`` times: start ``dataferry serve
+--workers N`` (``python -m dataferry.server``, uvloop) on a SQLite store of
+``--images`` samples (synthetic ImageNet-like JPEGs of ~110 KB, made once and
+cached in the temp folder; or ``--data random``: random bytes of the same
+sizes, instant), and load it from ``--clients`` client processes. Each client
+is the cheapest one we can write: raw blocking sockets, ``--connections`` of
+them, each with ``--depth`` pipelined batch requests of ``--request-size``
+random ids, bodies read into one reused buffer and discarded (only the chunked
+framing is parsed, to find where each response ends). Every response must be
+200 with an END record's worth of bytes; a non-200 is an error.
 
-Printed: samples/s and MB/s served, request latency (p50/p99), errors (must be
-0: the exit status is 1 otherwise), the server's RSS idle, warm (2 s in),
-middle, end and peak (flat from warm to end: about the requests in flight times
-their bytes, since the store materializes a request's rows), and the server's
-CPU time per sample, read from ``/proc/<pid>/stat``. Clients and server share this machine's cores, so the
-numbers are a floor for the server alone.
+Printed per run, and the median per worker count: samples/s, MB/s, the
+server's CPU per sample (user + system of the parent and every worker, from
+``/proc``), that CPU as cores busy, and the load generator's own CPU per
+sample. The clients share the machine's cores with the server: on 2 cores and
+``--workers 2`` the load generator takes CPU the workers would otherwise use,
+so samples/s there is a floor; CPU per sample is not affected by that (it is
+what each sample costs the server, whoever else runs).
 """
 
 from __future__ import annotations
@@ -25,7 +31,11 @@ import asyncio
 import multiprocessing as mp
 import os
 import random
+import re
+import selectors
 import signal
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,124 +99,6 @@ async def _fill_random(store, images: int) -> None:
     await store.put_split(DATASET, "all", IdList(np.arange(images), np.arange(images) % 10))
 
 
-# --- the server process ------------------------------------------------------------------------------
-def start_server(store_url: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dataferry.server", "--store", store_url, "--port", "0",
-         "--no-access-log", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, text=True,
-    )
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        raise SystemExit(f"the server did not start: {line!r}")
-    return proc, line.split()[-1]
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-
-# --- a client process -------------------------------------------------------------------------------------
-def _client(url: str, ids: list[int], start: float, seconds: float, inflight: int, size: int, seed: int, out) -> None:
-    from dataferry.schema._aio import new_event_loop
-
-    loop = new_event_loop()
-    out.put(loop.run_until_complete(_client_main(url, ids, start, seconds, inflight, size, seed)))
-    loop.close()
-
-
-async def _client_main(url, ids, start, seconds, inflight, size, seed) -> dict:
-    from dataferry.client import HttpOptions, HttpSource
-
-    rng = random.Random(seed)
-    stats = {"samples": 0, "bytes": 0, "errors": 0, "requests": 0, "latencies": []}
-    await asyncio.sleep(max(0.0, start - time.time()))
-    deadline = time.monotonic() + seconds
-
-    async def worker(src):
-        while time.monotonic() < deadline:
-            batch = rng.sample(ids, size)
-            t0 = time.perf_counter()
-            try:
-                async for r in src.fetch(DATASET, batch):
-                    stats["samples"] += 1
-                    stats["bytes"] += len(r.data)
-                stats["requests"] += 1
-                stats["latencies"].append(time.perf_counter() - t0)
-            except Exception as exc:  # noqa: BLE001 - counted and shown
-                stats["errors"] += 1
-                if stats["errors"] <= 3:
-                    print(f"client error: {exc!r}", file=sys.stderr)
-
-    async with await HttpSource.open(url, options=HttpOptions(request_size=size, connections=inflight)) as src:
-        await asyncio.gather(*(worker(src) for _ in range(inflight)))
-    return stats
-
-
-# --- the run ---------------------------------------------------------------------------------------------------
-def run(args: argparse.Namespace) -> int:
-    store_url = prepare_store(args.images, args.data, args.cache_dir)
-    ids = list(range(args.images)) if args.data == "random" else _ids(store_url)
-    server, url = start_server(store_url)
-    pid = server.pid
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    try:
-        time.sleep(0.3)
-        start = time.time() + 1.5  # clients import and connect meanwhile
-        procs = [
-            ctx.Process(target=_client, args=(url, ids, start, args.seconds, args.inflight, args.request_size, k, out))
-            for k in range(args.clients)
-        ]
-        for p in procs:
-            p.start()
-        time.sleep(max(0.0, start - time.time()))
-        rss0, cpu0, t0 = rss_mb(pid), process_cpu_s(pid), time.perf_counter()
-        rss = []  # (seconds into the run, MB), every 0.25 s
-        while time.perf_counter() - t0 < args.seconds:
-            time.sleep(0.25)
-            rss.append((time.perf_counter() - t0, rss_mb(pid)))
-        results = [out.get(timeout=120) for _ in procs]
-        elapsed = time.perf_counter() - t0
-        cpu = process_cpu_s(pid) - cpu0
-        for p in procs:
-            p.join(30)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        server.stdout.close()
-
-    samples = sum(r["samples"] for r in results)
-    nbytes = sum(r["bytes"] for r in results)
-    errors = sum(r["errors"] for r in results)
-    requests = sum(r["requests"] for r in results)
-    lat = sorted(x for r in results for x in r["latencies"]) or [float("nan")]
-    seconds = min(elapsed, args.seconds)
-    print(f"load: {args.clients} client processes x {args.inflight} requests of {args.request_size} ids in flight, "
-          f"{args.seconds:g} s, {args.images} {args.data} samples, {os.cpu_count()} cores shared with the clients")
-    print(f"  served      {samples / seconds:10.0f} samples/s  {nbytes / seconds / 1e6:8.1f} MB/s  "
-          f"({samples} samples, {requests} requests)")
-    print(f"  latency     p50 {lat[len(lat) // 2] * 1e3:.1f} ms  p99 {lat[int(len(lat) * 0.99)] * 1e3:.1f} ms per request")
-    print(f"  errors      {errors}")
-    warm = next((mb for t, mb in rss if t >= min(2.0, args.seconds / 4)), rss0)
-    mid = next((mb for t, mb in rss if t >= args.seconds / 2), rss0)
-    end = rss[-1][1] if rss else rss0
-    print(f"  server RSS  idle {rss0:.1f} MB  warm {warm:.1f} MB  middle {mid:.1f} MB  end {end:.1f} MB  "
-          f"peak {max((mb for _, mb in rss), default=rss0):.1f} MB")
-    print(f"  server CPU  {cpu:.2f} s = {cpu / max(samples, 1) * 1e6:.1f} us per sample "
-          f"({cpu / seconds * 100:.0f}% of one core)")
-    return 1 if errors or not samples else 0
-
-
 def _ids(store_url: str) -> list[int]:
     from dataferry.schema import open_store
 
@@ -217,12 +109,276 @@ def _ids(store_url: str) -> list[int]:
     return asyncio.run(read())
 
 
+# --- the server process ------------------------------------------------------------------------------
+def start_server(store_url: str, workers: int | None) -> tuple[subprocess.Popen, str, int]:
+    """``dataferry serve`` on a free port: the process, its host and port."""
+    extra = [] if workers is None else ["--workers", str(workers)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dataferry.server", "--store", store_url, "--port", "0",
+         "--no-access-log", "--log-level", "WARNING", "--max-concurrent", "1024", *extra],
+        stdout=subprocess.PIPE, text=True,
+    )
+    line = proc.stdout.readline()
+    found = re.search(r"https?://\[?([\w.:-]+?)\]?:(\d+)", line)
+    if found is None:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        raise SystemExit(f"the server did not start: {line!r}")
+    return proc, found.group(1), int(found.group(2))
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    proc.stdout.close()
+
+
+def server_tree(pid: int) -> list[int]:
+    """``pid`` and its child processes (the workers of ``serve --workers N``)."""
+    pids = [pid]
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        pids.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return pids
+
+
+def tree_cpu_s(pids: list[int]) -> float:
+    total = 0.0
+    for p in pids:
+        try:
+            total += process_cpu_s(p)
+        except OSError:
+            continue  # a worker that ended: its CPU is lost to the figure (none should end)
+    return total
+
+
+def rss_mb(pids: list[int]) -> float:
+    total = 0.0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/status") as fh:
+                total += next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
+        except (OSError, StopIteration):
+            continue
+    return total
+
+
+# --- the load generator ----------------------------------------------------------------------------------
+def _requests(host: str, ids: list[int], size: int, count: int, seed: int) -> list[bytes]:
+    """``count`` ready-made batch requests of ``size`` random ids each."""
+    import numpy as np
+
+    rng = random.Random(seed)
+    head = (f"POST /v1/datasets/{DATASET}/samples HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: application/octet-stream\r\nContent-Length: {8 * size}\r\n\r\n").encode()
+    return [head + np.asarray(rng.sample(ids, size), dtype="<i8").tobytes() for _ in range(count)]
+
+
+class _Conn:
+    """One keep-alive connection with ``depth`` pipelined requests; parses only
+    the status line and the chunked framing, and discards the bodies."""
+
+    __slots__ = ("sock", "pending", "skip", "state", "line", "done", "errors", "bytes", "first_error")
+
+    HEAD, SIZE = 0, 1
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.skip = 0  # body bytes still to discard
+        self.state = self.HEAD
+        self.line = bytearray()  # a header block or size line cut by a recv
+        self.done = 0  # responses complete
+        self.errors = 0
+        self.bytes = 0
+        self.first_error = ""
+
+    def feed(self, buf: bytearray, n: int) -> int:
+        """Parse ``buf[:n]``; the number of responses it completed."""
+        completed = 0
+        pos = 0
+        self.bytes += n
+        while pos < n:
+            if self.skip:
+                take = min(self.skip, n - pos)
+                self.skip -= take
+                pos += take
+                if self.skip == 0 and self.state == self.HEAD:
+                    completed += 1  # the CRLF after the last chunk
+                continue
+            term = b"\r\n\r\n" if self.state == self.HEAD else b"\r\n"
+            if self.line:
+                old = len(self.line)
+                self.line += buf[pos : min(n, pos + 1024)]
+                end = self.line.find(term)
+                if end < 0:
+                    pos += len(self.line) - old
+                    continue
+                pos += end + len(term) - old
+                text = bytes(self.line[:end])
+                self.line.clear()
+            else:
+                end = buf.find(term, pos, n)
+                if end < 0:
+                    self.line += buf[pos:n]
+                    break
+                text = bytes(buf[pos:end])
+                pos = end + len(term)
+            if self.state == self.HEAD:
+                if not text.startswith(b"HTTP/1.1 200"):
+                    self.errors += 1
+                    self.first_error = self.first_error or text.split(b"\r\n", 1)[0].decode("latin-1")
+                    # a JSON error has a Content-Length body
+                    length = re.search(rb"(?i)content-length:\s*(\d+)", text)
+                    self.skip = int(length.group(1)) if length else 0
+                    completed += self.skip == 0
+                    continue
+                self.state = self.SIZE
+            else:
+                size = int(text.split(b";", 1)[0], 16)
+                if size == 0:
+                    self.state = self.HEAD
+                    self.skip = 2  # the empty trailer line
+                else:
+                    self.skip = size + 2
+        return completed
+
+
+def _client(host: str, port: int, ids: list[int], size: int, connections: int, depth: int, start: float,
+            warmup: float, seconds: float, seed: int, out) -> None:
+    reqs = _requests(host, ids, size, 512, seed)
+    rng = random.Random(seed)
+    sel = selectors.DefaultSelector()
+    conns = []
+    for _ in range(connections):
+        s = socket.create_connection((host, port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        c = _Conn(s)
+        conns.append(c)
+        sel.register(s, selectors.EVENT_READ, c)
+    buf = bytearray(1 << 20)
+    time.sleep(max(0.0, start - time.time()))
+    for c in conns:
+        c.sock.sendall(b"".join(rng.choice(reqs) for _ in range(depth)))
+    t_begin, t_end = time.time() + warmup, time.time() + warmup + seconds
+    counted = None
+    cpu0 = 0.0
+    while True:
+        now = time.time()
+        if counted is None and now >= t_begin:
+            counted = sum(c.done for c in conns)
+            cpu0 = time.process_time()
+        if now >= t_end:
+            break
+        for key, _ in sel.select(timeout=0.05):
+            c = key.data
+            n = c.sock.recv_into(buf)
+            if n == 0:
+                raise SystemExit("the server closed a connection")
+            k = c.feed(buf, n)
+            if k:
+                c.done += k
+                c.sock.sendall(b"".join(rng.choice(reqs) for _ in range(k)))
+    cpu = time.process_time() - cpu0
+    responses = sum(c.done for c in conns) - (counted or 0)
+    out.put({"responses": responses, "samples": responses * size, "errors": sum(c.errors for c in conns),
+             "first_error": next((c.first_error for c in conns if c.first_error), ""),
+             "client_cpu": cpu, "bytes": sum(c.bytes for c in conns)})
+    for c in conns:
+        c.sock.close()
+
+
+# --- a run -------------------------------------------------------------------------------------------------------
+def run_once(args: argparse.Namespace, store_url: str, ids: list[int], workers: int | None, seed: int) -> dict:
+    server, host, port = start_server(store_url, workers)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    try:
+        time.sleep(0.5)
+        pids = server_tree(server.pid)
+        start = time.time() + 1.0  # the clients import and connect meanwhile
+        procs = [ctx.Process(target=_client, args=(host, port, ids, args.request_size, args.connections, args.depth,
+                                                   start, args.warmup, args.seconds, seed * 100 + k, out))
+                 for k in range(args.clients)]
+        for p in procs:
+            p.start()
+        time.sleep(max(0.0, start + args.warmup - time.time()))
+        cpu0, t0 = tree_cpu_s(pids), time.perf_counter()
+        time.sleep(max(0.0, start + args.warmup + args.seconds - time.time()))
+        cpu, elapsed = tree_cpu_s(pids) - cpu0, time.perf_counter() - t0
+        rss = rss_mb(pids)
+        results = [out.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join(30)
+    finally:
+        stop_server(server)
+    samples = sum(r["samples"] for r in results)
+    return {
+        "workers": workers, "samples_s": samples / elapsed, "mb_s": sum(r["bytes"] for r in results) / elapsed / 1e6,
+        "cpu_us": cpu / max(samples, 1) * 1e6, "cores": cpu / elapsed, "rss_mb": rss, "processes": len(pids),
+        "client_us": sum(r["client_cpu"] for r in results) / max(samples, 1) * 1e6,
+        "errors": sum(r["errors"] for r in results), "samples": samples,
+        "first_error": next((r["first_error"] for r in results if r["first_error"]), ""),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    store_url = prepare_store(args.images, args.data, args.cache_dir)
+    ids = list(range(args.images)) if args.data == "random" else _ids(store_url)
+    counts = [None] if args.workers == "default" else [int(w) for w in args.workers.split(",")]
+    print(f"load: {args.clients} client process(es) x {args.connections} connections x {args.depth} pipelined "
+          f"requests of {args.request_size} ids, {args.warmup:g} s warm-up + {args.seconds:g} s, {args.images} "
+          f"{args.data} samples, {os.cpu_count()} cores shared by the server and the clients")
+    failed = False
+    medians = {}
+    for workers in counts:
+        runs = []
+        for rep in range(args.repeats):
+            r = run_once(args, store_url, ids, workers, rep)
+            runs.append(r)
+            failed |= bool(r["errors"]) or not r["samples"]
+            print(f"  workers {workers or 'default'} run {rep + 1}: {r['samples_s']:8.0f} samples/s "
+                  f"{r['mb_s']:7.1f} MB/s  server {r['cpu_us']:6.1f} us CPU per sample "
+                  f"({r['cores']:.2f} cores, {r['processes']} processes, RSS {r['rss_mb']:.0f} MB)  "
+                  f"client {r['client_us']:5.1f} us per sample  errors {r['errors']}"
+                  + (f" ({r['first_error']})" if r["first_error"] else ""), flush=True)
+        med = {k: statistics.median(r[k] for r in runs) for k in ("samples_s", "mb_s", "cpu_us", "cores", "client_us")}
+        medians[workers] = med
+        n = workers or len(os.sched_getaffinity(0))
+        print(f"  served      {med['samples_s']:10.0f} samples/s  {med['mb_s']:8.1f} MB/s  (workers {workers or 'default'},"
+              f" median of {len(runs)})")
+        print(f"  server CPU  {med['cpu_us']:.1f} us per sample ({med['cores']:.2f} cores busy, "
+              f"{med['cores'] / n * 100:.0f}% of each of {n} workers)")
+        print(f"  clients     {med['client_us']:.1f} us CPU per sample")
+        print(f"  errors      {sum(r['errors'] for r in runs)}")
+        print(f"  server RSS  {statistics.median(r['rss_mb'] for r in runs):.1f} MB (all processes, at the end)")
+    if len(medians) > 1 and counts[0] in medians:
+        base = medians[counts[0]]["samples_s"]
+        for w in counts[1:]:
+            print(f"  scaling     workers {w} serve {medians[w]['samples_s'] / base:.2f}x what workers {counts[0]} serve")
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dataferry.bench.load_server", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seconds", type=float, default=30.0)
-    p.add_argument("--clients", type=int, default=8, help="client processes")
+    p.add_argument("--workers", default="1,2",
+                   help="comma-separated worker counts to compare, or 'default' for the server's own (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per worker count; medians are shown")
+    p.add_argument("--seconds", type=float, default=10.0, help="measured seconds per run")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds of load before measuring")
+    p.add_argument("--clients", type=int, default=1, help="load generator processes")
+    p.add_argument("--connections", type=int, default=8, help="connections per client process")
+    p.add_argument("--depth", type=int, default=2, help="pipelined requests per connection")
     p.add_argument("--images", type=int, default=2000, help="samples in the store")
-    p.add_argument("--inflight", type=int, default=4, help="requests in flight per client")
     p.add_argument("--request-size", type=int, default=64, help="ids per request")
     p.add_argument("--data", choices=("synthetic", "random"), default="synthetic",
                    help="synthetic JPEGs (cached after the first run) or random bytes of JPEG-like sizes")
@@ -230,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.request_size > args.images:
         p.error("--request-size must not exceed --images")
+    if args.workers != "default" and not re.fullmatch(r"\d+(,\d+)*", args.workers):
+        p.error("--workers takes counts like 1,2 or 'default'")
     return run(args)
 
 

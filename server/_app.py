@@ -15,13 +15,14 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from dataferry.schema import Store
 from dataferry.schema._url import redact_url
 
 from ._gate import StoreGate
 from ._keys import GATE, LIMIT, METRICS, OPTIONS, REGISTRY
-from ._metrics import Metrics, new_registry
+from ._metrics import Metrics, new_registry, shared_registry
 from ._middleware import MIDDLEWARES
 from ._options import ServerOptions
 from ._protocol import handler_args
@@ -32,13 +33,24 @@ __all__ = ["make_app"]
 log = logging.getLogger("dataferry.server")
 
 
-def make_app(store: Store | str, options: ServerOptions = ServerOptions()) -> web.Application:
+def make_app(store: Store | str, options: ServerOptions = ServerOptions(), *,
+             metrics_dir: str | None = None) -> web.Application:
     """The application serving ``store``: a store URL (opened at startup and
-    closed at cleanup) or an open :class:`Store` (left open: the caller owns it)."""
+    closed at cleanup) or an open :class:`Store` (left open: the caller owns it).
+
+    ``metrics_dir``: for the workers of ``dataferry serve --workers N`` only:
+    the folder where they share their metrics, so ``/metrics`` reports the sum
+    over all of them; it switches this process's ``prometheus-client`` to its
+    multiprocess mode (``_metrics.shared_registry``)."""
     app = web.Application(client_max_size=options.max_body_bytes, middlewares=MIDDLEWARES, handler_args=handler_args(options))
     app[OPTIONS] = options
-    app[REGISTRY] = new_registry()
-    app[METRICS] = Metrics.register(app[REGISTRY])
+    if metrics_dir is None:
+        app[REGISTRY] = new_registry()
+        app[METRICS] = Metrics.register(app[REGISTRY])
+    else:
+        app[REGISTRY] = shared_registry(metrics_dir)
+        # the values live in metrics_dir's files; this registry only keeps the names apart
+        app[METRICS] = Metrics.register(CollectorRegistry())
     app.cleanup_ctx.append(_store_context(store))
     app.router.add_routes(routes)
     return app

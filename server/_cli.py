@@ -10,14 +10,20 @@ stdout names the real port. The app runs under :class:`~._protocol.Runner`
 (JSON answers to malformed HTTP too) on uvloop; on SIGTERM or SIGINT the
 server stops accepting, gives in-flight responses ``--grace`` seconds, then
 closes the store.
+
+``--workers N`` (default: the cores this process may use) runs N such
+servers in N processes on the one port, under a supervising parent
+(``_workers.py``); ``--workers 1`` is one process, no parent.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -36,6 +42,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--open-metrics", action="store_true", help="serve /metrics without the token")
     parser.add_argument("--tls-cert", metavar="C", help="PEM certificate chain: serve HTTPS (needs --tls-key)")
     parser.add_argument("--tls-key", metavar="K", help="PEM private key of --tls-cert")
+    parser.add_argument("--workers", type=int, default=None, metavar="N",
+                        help="worker processes sharing the port (default: the cores this process may use)")
     parser.add_argument("--max-ids", type=int, default=4096, help="ids per batch request (default: %(default)s)")
     parser.add_argument("--max-concurrent", type=int, default=256, help="requests served at once (default: %(default)s)")
     parser.add_argument("--store-timeout", type=float, default=30.0, metavar="S", help="seconds per store call (default: %(default)s)")
@@ -63,13 +71,16 @@ def ssl_context(cert: str, key: str):
     return ctx
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """A listening TCP socket (IPv4 or IPv6 by ``host``), SO_REUSEADDR so a
-    restart can take the same port at once."""
+    restart can take the same port at once; ``reuse_port``: SO_REUSEPORT too,
+    for the workers of ``--workers N``."""
     info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(info[0], socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(info[4])
         sock.listen(1024)
     except BaseException:
@@ -82,9 +93,16 @@ def bind(host: str, port: int) -> socket.socket:
 def cli(args: argparse.Namespace) -> int:
     from dataferry.schema._errors import ConfigError
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    workers = args.workers
+    if workers is None:
+        from ._workers import default_workers
+
+        workers = default_workers()
+    # with several workers, each line names the process that wrote it
+    name = "%(name)s[%(process)d]" if workers > 1 else "%(name)s"
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s {name}: %(message)s")
     try:
-        return _serve(args)
+        return _serve(args, workers)
     except ConfigError as exc:
         print(f"dataferry serve: {exc}", file=sys.stderr)
         return 2
@@ -93,16 +111,14 @@ def cli(args: argparse.Namespace) -> int:
         return 1
 
 
-def _serve(args: argparse.Namespace) -> int:
-    import asyncio
-
+def _serve(args: argparse.Namespace, workers: int) -> int:
     from dataferry.schema import parse_store_url, read_token_file
-    from dataferry.schema._aio import new_event_loop
     from dataferry.schema._errors import ConfigError
 
-    from ._app import make_app
     from ._options import ServerOptions
 
+    if workers < 1:
+        raise ConfigError(f"--workers must be >= 1, not {workers}")
     parse_store_url(args.store)  # a bad URL fails here, before binding
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("--tls-cert and --tls-key go together")
@@ -118,23 +134,72 @@ def _serve(args: argparse.Namespace) -> int:
         hold_timeout=args.hold_timeout,
         shutdown_grace=args.grace,
     )
-    sock = bind(args.host, args.port)
-    host, port = sock.getsockname()[:2]
+    if workers == 1:
+        socks = [bind(args.host, args.port)]
+    else:
+        from ._workers import bind_shared
+
+        socks = bind_shared(args.host, args.port, workers, bind)
+    host, port = socks[0].getsockname()[:2]
     scheme = "https" if tls else "http"
     shown = f"[{host}]" if ":" in host else host
     print(f"dataferry serve: listening on {scheme}://{shown}:{port}", flush=True)
-    app = make_app(args.store, options)
     access_log = None if args.no_access_log else logging.getLogger("aiohttp.access")
+    if workers == 1:
+        _serve_one(args.store, options, socks[0], tls, access_log)
+        return 0
+
+    from ._workers import supervise
+
+    try:
+        return supervise(workers, socks, lambda sock, metrics_dir: _serve_worker(
+            args.store, options, sock, tls, access_log, metrics_dir))
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _serve_one(store: str, options, sock: socket.socket, tls, access_log: logging.Logger | None,
+               metrics_dir: str | None = None, started: Callable[[], None] | None = None) -> None:
+    """The app on ``sock`` in this process, on uvloop, until SIGTERM or SIGINT."""
+    import asyncio
+
+    from dataferry.schema._aio import new_event_loop
+
+    from ._app import make_app
+
+    app = make_app(store, options, metrics_dir=metrics_dir)
     loop = new_event_loop()  # uvloop when installed
     asyncio.set_event_loop(loop)
     try:
-        loop.run_until_complete(_run(app, sock, tls, access_log, options.shutdown_grace))
+        loop.run_until_complete(_run(app, sock, tls, access_log, options.shutdown_grace, started))
     finally:
         _close_loop(loop)
+
+
+def _serve_worker(store: str, options, sock: socket.socket, tls, access_log: logging.Logger | None,
+                  metrics_dir: str) -> int:
+    """One worker of ``--workers N``: its exit status (``EXIT_NOT_STARTED`` if
+    it failed before serving)."""
+    from ._workers import EXIT_NOT_STARTED
+
+    serving = False
+
+    def started() -> None:
+        nonlocal serving
+        serving = True
+
+    try:
+        _serve_one(store, options, sock, tls, access_log, metrics_dir, started)
+    except Exception:  # noqa: BLE001 - the parent is told by the exit status; the cause is logged here
+        logging.getLogger("dataferry.server").exception("worker %d %s", os.getpid(),
+                                                        "failed" if serving else "could not start")
+        return 1 if serving else EXIT_NOT_STARTED
     return 0
 
 
-async def _run(app, sock: socket.socket, tls, access_log: logging.Logger | None, grace: float) -> None:
+async def _run(app, sock: socket.socket, tls, access_log: logging.Logger | None, grace: float,
+               started: Callable[[], None] | None = None) -> None:
     """Serve ``app`` on ``sock`` until SIGTERM or SIGINT; then stop accepting,
     give in-flight responses ``grace`` seconds, and run the app's cleanup."""
     import asyncio
@@ -148,6 +213,8 @@ async def _run(app, sock: socket.socket, tls, access_log: logging.Logger | None,
     await runner.setup()
     try:
         await web.SockSite(runner, sock, ssl_context=tls, backlog=1024).start()
+        if started is not None:
+            started()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -10,10 +10,21 @@ real app and holds the two together.
 
 Every label value comes from a fixed set (route templates, status codes, error
 names, store operations), never from the request, so series stay few.
+
+The workers of ``dataferry serve --workers N`` share one set of figures
+(``shared_registry``): prometheus-client's multiprocess mode, in a folder the
+supervising parent creates and removes. Counters and histograms are summed
+over every worker that ever ran (a restarted worker's counts are kept),
+``requests_in_flight`` over the live ones; the process figures are the sums
+over the parent and its live workers (``process_start_time_seconds``: the
+parent's), and the GC counters are the workers' collections summed. The names
+are the same in both modes.
 """
 
 from __future__ import annotations
 
+import gc
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -29,7 +40,7 @@ from prometheus_client import (
 )
 from prometheus_client.metrics_core import Metric
 
-__all__ = ["Metrics", "new_registry", "exposition", "CONTENT_TYPE"]
+__all__ = ["Metrics", "new_registry", "shared_registry", "exposition", "CONTENT_TYPE"]
 
 #: the text format every Prometheus (2.x and 3.x) scrapes as it is
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -68,7 +79,8 @@ class Metrics:
         return cls(
             requests=Counter(_P + "requests_total", "HTTP requests by route template, method and status.",
                              ("route", "method", "status"), registry=r),
-            in_flight=Gauge(_P + "requests_in_flight", "HTTP requests being served now.", registry=r),
+            in_flight=Gauge(_P + "requests_in_flight", "HTTP requests being served now.", registry=r,
+                            multiprocess_mode="livesum"),
             errors=Counter(_P + "errors_total", "Error responses and stream errors by error name.", ("error",),
                            registry=r),
             samples=Counter(_P + "samples_served_total", "Samples sent in batch fetch responses.", registry=r),
@@ -82,6 +94,94 @@ class Metrics:
             ),
             store_errors=Counter(_P + "store_errors_total", "Store failures by kind.", ("kind",), registry=r),
         )
+
+
+def shared_registry(path: str) -> CollectorRegistry:
+    """For a worker of ``serve --workers N``: switch this process's
+    prometheus-client to multiprocess mode, its values in files under ``path``
+    (the workers' shared folder), and return the registry ``/metrics`` serves:
+    the sums over every worker, the process figures of the whole server, the
+    platform. Call before any metric is made; once per process."""
+    from prometheus_client import values
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path  # read by prometheus-client's file-backed values
+    values.ValueClass = values.MultiProcessValue()
+    gc_counters = (
+        Counter("python_gc_objects_collected", "Objects collected during gc", ("generation",), registry=None),
+        Counter("python_gc_objects_uncollectable", "Uncollectable objects found during GC", ("generation",),
+                registry=None),
+        Counter("python_gc_collections", "Number of times this generation was collected", ("generation",),
+                registry=None),
+    )
+    gc.callbacks.append(_count_gc(*gc_counters))
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=path)
+    registry.register(_ServerProcesses())
+    PlatformCollector(registry=registry)
+    return registry
+
+
+def _count_gc(collected: Counter, uncollectable: Counter, collections: Counter):
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "stop":
+            gen = str(info["generation"])
+            collections.labels(gen).inc()
+            if info["collected"]:
+                collected.labels(gen).inc(info["collected"])
+            if info["uncollectable"]:
+                uncollectable.labels(gen).inc(info["uncollectable"])
+
+    return on_gc
+
+
+class _ServerProcesses:
+    """The ``process_*`` figures of a whole ``serve --workers N``: this worker's
+    parent and the parent's live children, summed (``process_max_fds`` and
+    ``process_start_time_seconds``: the parent's)."""
+
+    _SUMMED = {"process_cpu_seconds", "process_resident_memory_bytes", "process_virtual_memory_bytes",
+               "process_open_fds"}
+
+    def collect(self) -> Iterator[Metric]:
+        parent = os.getppid()
+        families: dict[str, Metric] = {}
+        for pid in (parent, *_children(parent)):
+            try:
+                found = list(ProcessCollector(pid=lambda p=pid: p, registry=None).collect())
+            except OSError:
+                continue  # ended meanwhile
+            for family in found:
+                mine = families.get(family.name)
+                if mine is None:
+                    families[family.name] = family
+                elif family.name in self._SUMMED and mine.samples and family.samples:
+                    s = mine.samples[0]
+                    mine.samples[0] = s._replace(value=s.value + family.samples[0].value)
+        yield from families.values()
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux ``/proc``; none elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:  # kernels with CONFIG_PROC_CHILDREN
+            return [int(x) for x in fh.read().split()]
+    except OSError:
+        pass
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as fh:
+                    if int(fh.read().rsplit(b")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
 
 
 def exposition(registry: CollectorRegistry) -> bytes:

@@ -3,11 +3,18 @@
 Two tasks per request, joined by a byte-bounded :class:`Outbox`::
 
     store.fetch(dataset, ids) ──► producer ──► Outbox (≤ buffer_bytes) ──► writer ──► client
-        (results in completion      encodes records      coalesces what is ready
-         order, each within          (payloads not        into one write of up to
-         store_timeout)              copied)              write_chunk bytes; aiohttp
+        (results in completion      encodes record       takes what is ready (up to
+         order; the store's next     headers; payloads    write_chunk) and sends it as
+         result within               are never copied     one HTTP chunk: the chunk
+         store_timeout)                                   line, the parts, CRLF, in one
+                                                          transport.writelines; then
                                                           awaits drain: backpressure
 
+* Per sample the server does no more than it must: one 28-byte header, the
+  store's bytes objects passed through to the socket as they are (no join,
+  no copy), counters added once per request, and one store deadline per
+  request pushed forward as results come (``_Watchdog``), not a timer per
+  sample.
 * While the writer waits on a slow client, records pile up in the outbox and
   leave in one large write; a full outbox pauses the producer, and with it the
   store's iteration, so a slow client never makes the server buffer unboundedly.
@@ -23,13 +30,15 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 
 import numpy as np
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 
-from dataferry.schema._wire import FRAMES_TYPE, encode_end, encode_error, encode_not_found, encode_sample
 from dataferry.schema import Sample
 from dataferry.schema._errors import StoreError, StoreTimeout
+from dataferry.schema._wire import FRAMES_TYPE, encode_end, encode_error, encode_not_found, encode_sample
 
 from ._gate import StoreGate
 from ._metrics import Metrics
@@ -39,12 +48,18 @@ __all__ = ["Outbox", "stream_samples"]
 
 log = logging.getLogger("dataferry.server")
 
+_Buffer = bytes | bytearray | memoryview
+
 
 class Outbox:
-    """Encoded records between the producer and the writer, bounded by bytes."""
+    """Encoded records between the producer and the writer, bounded by bytes.
+
+    The producer :meth:`add` s records without awaiting and awaits
+    :meth:`writable` only while the outbox holds ``capacity`` bytes or more.
+    """
 
     def __init__(self, capacity: int) -> None:
-        self._parts: deque[bytes] = deque()
+        self._records: deque[tuple[Sequence[_Buffer], int]] = deque()
         self._size = 0
         self._capacity = capacity
         self._closed = False
@@ -53,69 +68,122 @@ class Outbox:
         self._writable = asyncio.Event()
         self._writable.set()
 
-    async def put(self, parts: tuple[bytes, ...] | list[bytes]) -> None:
+    @property
+    def full(self) -> bool:
+        return self._size >= self._capacity
+
+    def add(self, parts: Sequence[_Buffer], size: int) -> None:
+        """One record of ``size`` bytes, as parts to send in order."""
+        self._records.append((parts, size))
+        self._size += size
+        self._readable.set()
+
+    async def put(self, parts: Sequence[_Buffer]) -> None:
+        """Wait while the outbox is full, then add one record."""
+        await self.writable()
+        self.add(parts, sum(map(len, parts)))
+
+    async def writable(self) -> None:
         while self._size >= self._capacity:
             self._writable.clear()
             await self._writable.wait()
-        for p in parts:
-            self._parts.append(p)
-            self._size += len(p)
-        self._readable.set()
 
     def close(self, error: BaseException | None = None) -> None:
         self._closed = True
         self.error = error
         self._readable.set()
 
-    async def take(self, limit: int) -> list[bytes] | None:
-        """Everything ready, up to about ``limit`` bytes; None once closed and empty."""
-        while not self._parts:
+    async def take(self, limit: int) -> list[_Buffer] | None:
+        """The parts of the whole records ready, up to about ``limit`` bytes;
+        None once closed and empty."""
+        while not self._records:
             if self._closed:
                 return None
             self._readable.clear()
             await self._readable.wait()
-        out: list[bytes] = []
+        out: list[_Buffer] = []
         n = 0
-        while self._parts and n < limit:
-            p = self._parts.popleft()
-            out.append(p)
-            n += len(p)
+        records = self._records
+        while records and n < limit:
+            parts, size = records.popleft()
+            out.extend(parts)
+            n += size
         self._size -= n
         if self._size < self._capacity:
             self._writable.set()
         return out
 
 
+class _Watchdog:
+    """One deadline per request for the store's next result: ``expired`` and
+    the task cancelled when ``limit`` seconds pass without :meth:`progress`.
+    The timer is pushed forward only when it fires (not one timer per sample),
+    and never fires while the producer waits on the client (:meth:`pause`)."""
+
+    __slots__ = ("_loop", "_task", "_limit", "last", "paused", "expired", "_handle")
+
+    def __init__(self, limit: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._limit = limit
+        self.last = self._loop.time()
+        self.paused = False
+        self.expired = False
+        self._handle = self._loop.call_at(self.last + limit, self._check)
+
+    def _check(self) -> None:
+        due = self.last + self._limit
+        if self.paused or self._loop.time() < due:
+            self._handle = self._loop.call_at(max(due, self._loop.time() + 1e-3), self._check)
+            return
+        self.expired = True
+        assert self._task is not None
+        self._task.cancel()
+
+    def progress(self) -> None:
+        self.last = self._loop.time()
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
 async def _produce(gate: StoreGate, dataset: str, ids: np.ndarray, outbox: Outbox, metrics: Metrics) -> None:
     limit = gate.options.store_timeout
     t0 = time.perf_counter()
-    records = 0
+    found = missing = 0
     it = gate.store.fetch(dataset, ids.tolist()).__aiter__()
+    watch = _Watchdog(limit)
     try:
-        while True:
-            try:
-                async with asyncio.timeout(limit):
-                    result = await anext(it)
-            except StopAsyncIteration:
-                break
-            except TimeoutError as exc:
-                if isinstance(exc, StoreTimeout):
-                    raise
-                raise StoreTimeout(
-                    f"store {gate.where}: no sample of dataset {dataset!r} within {limit:g} s "
-                    f"({records} of {len(ids)} answered)"
-                ) from exc
-            if records == 0:
-                metrics.store_latency.labels(op="fetch_first").observe(time.perf_counter() - t0)
-            records += 1
-            if isinstance(result, Sample):
-                metrics.samples.inc()
-                await outbox.put(encode_sample(result))
-            else:
-                metrics.not_found.inc()
-                await outbox.put((encode_not_found(result.id),))
+        try:
+            async for result in it:
+                watch.progress()
+                if found + missing == 0:
+                    metrics.store_latency.labels(op="fetch_first").observe(time.perf_counter() - t0)
+                if type(result) is Sample:
+                    found += 1
+                    parts = encode_sample(result)
+                    outbox.add(parts, sum(map(len, parts)))
+                else:
+                    missing += 1
+                    outbox.add((encode_not_found(result.id),), 28)
+                if outbox.full:
+                    watch.paused = True
+                    await outbox.writable()
+                    watch.paused = False
+                    watch.progress()
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if not watch.expired or (task is not None and task.uncancel() > 0):
+                raise
+            raise StoreTimeout(
+                f"store {gate.where}: no sample of dataset {dataset!r} within {limit:g} s "
+                f"({found + missing} of {len(ids)} answered)"
+            ) from exc
+        finally:
+            watch.cancel()
         metrics.store_latency.labels(op="fetch").observe(time.perf_counter() - t0)
-        await outbox.put((encode_end(records),))
+        end = encode_end(found + missing)
+        outbox.add((end,), len(end))
         outbox.close()
     except StoreError as exc:
         gate.failed("fetch", exc)
@@ -124,6 +192,10 @@ async def _produce(gate: StoreGate, dataset: str, ids: np.ndarray, outbox: Outbo
         log.exception("store %s: fetch from dataset %r failed", gate.where, dataset)
         outbox.close(exc)
     finally:
+        if found:
+            metrics.samples.inc(found)
+        if missing:
+            metrics.not_found.inc(missing)
         await it.aclose()
 
 
@@ -134,22 +206,24 @@ async def stream_samples(request: web.Request, gate: StoreGate, dataset: str, id
     outbox = Outbox(options.buffer_bytes)
     producer = asyncio.create_task(_produce(gate, dataset, ids, outbox, metrics))
     resp: web.StreamResponse | None = None
+    writer: AbstractStreamWriter | None = None
     try:
         while (parts := await outbox.take(options.write_chunk)) is not None:
-            if resp is None:
+            if writer is None:
                 resp = web.StreamResponse(headers={"Content-Type": FRAMES_TYPE, "Cache-Control": "no-store"})
                 resp.enable_chunked_encoding()
-                await resp.prepare(request)
-            await _send(resp, b"".join(parts) if len(parts) > 1 else parts[0], options, metrics)
+                writer = await resp.prepare(request)
+                assert writer is not None
+            await _send(writer, parts, options, metrics)
         exc = outbox.error
         if exc is not None:
-            if resp is None:
+            if writer is None:
                 raise exc  # nothing sent yet: the errors middleware answers 503 (or 500)
             name = "store_timeout" if isinstance(exc, StoreTimeout) else (
                 "store_unavailable" if isinstance(exc, StoreError) else "internal_error")
             metrics.errors.labels(error=name).inc()
-            await _send(resp, encode_error(name, str(exc) if isinstance(exc, StoreError) else "internal error"),
-                        options, metrics)
+            record = encode_error(name, str(exc) if isinstance(exc, StoreError) else "internal error")
+            await _send(writer, [record], options, metrics)
         assert resp is not None  # the producer always puts END or closes with an error
         await resp.write_eof()
         return resp
@@ -168,11 +242,28 @@ async def stream_samples(request: web.Request, gate: StoreGate, dataset: str, id
         await asyncio.gather(producer, return_exceptions=True)
 
 
-async def _send(resp: web.StreamResponse, data: bytes, options: ServerOptions, metrics: Metrics) -> None:
+async def _send(writer: AbstractStreamWriter, parts: list[_Buffer], options: ServerOptions, metrics: Metrics) -> None:
+    """``parts`` as one HTTP chunk, without joining them.
+
+    aiohttp's own ``write`` takes one buffer, so many records would have to be
+    joined (a copy of every payload) first. The response is chunked
+    (``enable_chunked_encoding``, no compression), so the writer's framing is
+    done here, the same as aiohttp's: ``<size in hex>\\r\\n``, the bytes,
+    ``\\r\\n``; ``write_eof`` sends the last chunk. The stream writer's byte
+    count is kept, and its ``drain`` gives the backpressure ``write`` gives.
+    """
+    transport = writer.transport
+    if transport is None or transport.is_closing():
+        raise ConnectionResetError("the client closed the connection")
+    size = sum(map(len, parts))
+    parts.insert(0, b"%x\r\n" % size)
+    parts.append(b"\r\n")
+    transport.writelines(parts)
+    writer.output_size += size
+    metrics.bytes.inc(size)
     try:
         async with asyncio.timeout(options.send_timeout):
-            await resp.write(data)
+            await writer.drain()
     except TimeoutError:
         metrics.errors.labels(error="send_timeout").inc()
-        raise ConnectionResetError(f"client did not read {len(data)} bytes within {options.send_timeout:g} s") from None
-    metrics.bytes.inc(len(data))
+        raise ConnectionResetError(f"client did not read {size} bytes within {options.send_timeout:g} s") from None

@@ -1,0 +1,219 @@
+"""``dataferry serve --workers N``: N processes on one port, one supervising parent.
+
+The parent binds the port, forks the workers and does nothing else: it never
+accepts a connection, never opens the store, never starts an event loop. Each
+worker is a whole single-process server (its own event loop, its own store
+connection, the same app) on its own listening socket.
+
+* **One port, N sockets.** With ``SO_REUSEPORT`` (Linux, the BSDs) the parent
+  binds one socket per worker to the same address and the kernel spreads new
+  connections over them evenly by hash; otherwise every worker accepts on one
+  shared socket. So that two servers cannot share a port by mistake
+  (``SO_REUSEPORT`` lets any process of the same user join the group), the
+  port is first bound once without it: a port already taken fails as it does
+  for one worker.
+* **Supervision.** A worker that exits before it served (its store cannot be
+  opened, say) stops the whole server: the others get SIGTERM and the server
+  exits 1. A worker that dies while serving (a crash, the OOM killer, a
+  SIGKILL) is logged with its status and restarted on the same socket (the
+  connections the kernel queued on it wait for the new worker; those the dead
+  one held are cut, and clients retry them); more than
+  :data:`MAX_RESTARTS` deaths within :data:`RESTART_WINDOW` seconds stop the
+  server with exit status 1. The workers are tied to the parent
+  (``PR_SET_PDEATHSIG``): a parent killed with SIGKILL takes them with it, so
+  no orphan keeps serving the port.
+* **Shutdown.** SIGTERM or SIGINT to the parent is passed to every worker as
+  SIGTERM; each stops accepting, gives its in-flight responses ``--grace``
+  seconds and closes its store; the parent exits 0 once all have exited 0.
+* **Metrics.** The workers write their counters, histograms and the
+  in-flight gauge to files in a folder the parent creates and removes
+  (prometheus-client's multiprocess mode); ``/metrics`` on any worker reports
+  the sums over all workers, dead ones' counters included, with the process
+  figures summed over the parent and its live workers (``_metrics.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable
+
+__all__ = ["default_workers", "bind_shared", "supervise", "MAX_RESTARTS", "RESTART_WINDOW"]
+
+log = logging.getLogger("dataferry.server")
+
+#: a worker's exit status when it failed before serving (the store would not open)
+EXIT_NOT_STARTED = 3
+#: more worker deaths than this within RESTART_WINDOW seconds stop the server
+MAX_RESTARTS = 5
+RESTART_WINDOW = 60.0
+_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD}
+_PR_SET_PDEATHSIG = 1
+
+
+def default_workers() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def bind_shared(host: str, port: int, count: int, bind: Callable[..., socket.socket]) -> list[socket.socket]:
+    """``count`` listening sockets on one address: one per worker with
+    ``SO_REUSEPORT``, else one socket for all. ``bind(host, port, reuse_port=)``
+    makes one. The port is first taken without ``SO_REUSEPORT``, so a port in
+    use by anyone (another dataferry server included) fails here."""
+    probe = bind(host, port, reuse_port=False)
+    port = probe.getsockname()[1]
+    if not hasattr(socket, "SO_REUSEPORT"):
+        return [probe]
+    probe.close()
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            socks.append(bind(host, port, reuse_port=True))
+    except OSError:
+        for s in socks:
+            s.close()
+        if socks:
+            raise
+        return [bind(host, port, reuse_port=False)]  # SO_REUSEPORT refused: one shared socket
+    return socks
+
+
+def supervise(count: int, socks: list[socket.socket], serve: Callable[[socket.socket, str], int]) -> int:
+    """Fork ``count`` workers, each running ``serve(sock, metrics_dir)`` (its
+    return value is its exit status); supervise them as the module docstring
+    says; return the server's exit status."""
+    metrics_dir = tempfile.mkdtemp(prefix="dataferry-metrics-")
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    old_chld = signal.signal(signal.SIGCHLD, lambda *_: None)  # queued for sigwaitinfo, never run
+    workers: dict[int, int] = {}  # pid -> slot
+    deaths: deque[float] = deque()
+    status = 0
+    stopping = False
+
+    def start(slot: int) -> None:
+        sock = socks[slot % len(socks)]
+        parent = os.getpid()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the worker: never returns
+            code = 1
+            try:
+                signal.signal(signal.SIGCHLD, old_chld)
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+                _die_with(parent)
+                for s in socks:
+                    if s is not sock:
+                        s.close()
+                code = serve(sock, metrics_dir)
+            except BaseException:  # noqa: BLE001 - a worker reports and exits; it never unwinds into the parent
+                log.exception("worker %d failed", os.getpid())
+            finally:
+                logging.shutdown()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        workers[pid] = slot
+
+    def stop_all() -> None:
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    try:
+        for slot in range(count):
+            start(slot)
+        while workers:
+            info = signal.sigwaitinfo(_SIGNALS)
+            if info.si_signo in (signal.SIGTERM, signal.SIGINT) and not stopping:
+                stopping = True
+                log.info("stopping %d workers (signal %d)", len(workers), info.si_signo)
+                stop_all()
+            for pid, code in _reap():
+                slot = workers.pop(pid)
+                _forget(pid, metrics_dir)
+                if stopping:
+                    if code != 0:
+                        log.warning("worker %d exited with %s while stopping", pid, _describe(code))
+                        status = 1
+                    continue
+                if code == EXIT_NOT_STARTED:
+                    log.error("worker %d could not start; stopping the server", pid)
+                    status = stopping = 1
+                    stop_all()
+                    continue
+                now = time.monotonic()
+                deaths.append(now)
+                while deaths and deaths[0] < now - RESTART_WINDOW:
+                    deaths.popleft()
+                if len(deaths) > MAX_RESTARTS:
+                    log.error("worker %d %s: %d worker deaths within %g s; stopping the server", pid,
+                              _describe(code), len(deaths), RESTART_WINDOW)
+                    status = stopping = 1
+                    stop_all()
+                    continue
+                log.warning("worker %d %s; starting another", pid, _describe(code))
+                start(slot)
+    finally:
+        stop_all()
+        for pid in list(workers):
+            os.waitpid(pid, 0)
+        signal.signal(signal.SIGCHLD, old_chld)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    return int(status)
+
+
+def _reap() -> list[tuple[int, int]]:
+    """Every worker that has ended: ``(pid, exit status or -signal)``."""
+    out = []
+    while True:
+        try:
+            pid, raw = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return out
+        if pid == 0:
+            return out
+        out.append((pid, os.waitstatus_to_exitcode(raw)))
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _forget(pid: int, metrics_dir: str) -> None:
+    """A dead worker's live gauges leave the sums (its counters stay)."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid, metrics_dir)
+
+
+def _die_with(parent: int) -> None:
+    """SIGKILL this process when the parent dies (Linux); exit now if it already has."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: a worker outlives a parent killed with SIGKILL
+    if os.getppid() != parent:
+        os._exit(1)
