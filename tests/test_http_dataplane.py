@@ -1,0 +1,308 @@
+"""The HTTP data plane: HttpSource's own HTTP/1.1 client (client/_conn.py), the
+incremental frame decoder (schema/_wire.py FrameDecoder) and the receive
+buffers (client/_buffers.py), against the real app on loopback (plain and TLS)
+and against hand-written answers that cut and frame the bytes every way
+HTTP/1.1 allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dataferry.client import Loader, Prefetch
+from dataferry.client._buffers import BufferPool, size_class
+from dataferry.client._http import HttpOptions, HttpSource
+from dataferry.schema import Sample, SampleNotFound, open_store
+from dataferry.schema._errors import StoreError, StoreTimeout, StoreUnavailable
+from dataferry.schema._wire import EndRecord, FrameDecoder, encode_end, encode_error, encode_not_found, encode_sample
+from dataferry.server import ServerOptions, make_app
+from server_kit import make_samples, run, seed, self_signed, serve
+
+
+async def _drain(agen) -> list:
+    return [r async for r in agen]
+
+
+def _digest(data) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+# --- the real app on loopback -----------------------------------------------------------------------------
+@pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
+def test_large_samples_arrive_byte_exact_as_read_only_views(tmp_path, tls):
+    """300 KB samples (read mostly straight into their buffers, through TLS
+    too), with every kind of target, over several requests on kept-alive
+    connections; a small write_chunk puts chunk boundaries inside payloads."""
+    from dataferry.server._cli import ssl_context
+
+    samples = make_samples(24, size=300_000)
+    want = {s.id: s for s in samples}
+    ctx, options = None, HttpOptions()
+    if tls:
+        cert, key = self_signed(tmp_path)
+        ctx, options = ssl_context(cert, key), HttpOptions(ca_file=cert)
+
+    async def go():
+        async with await open_store(f"sqlite://{tmp_path / 's.db'}") as store:
+            await seed(store, "d", samples)
+            app = make_app(store, ServerOptions(write_chunk=70_001, buffer_bytes=1 << 20))
+            async with serve(app, ssl_context=ctx) as base, await HttpSource.open(base, options=options) as src:
+                got = []
+                for k in range(0, 24, 8):
+                    got += await _drain(src.fetch("d", [s.id for s in samples[k : k + 8]]))
+                return got, src._buffers
+
+    got, pool = run(go())
+    assert sorted(r.id for r in got) == sorted(want)
+    for r in got:
+        w = want[r.id]
+        assert isinstance(r.data, memoryview) and r.data.readonly
+        assert _digest(r.data) == _digest(w.data) and r.label == w.label and r.target == w.target
+        assert r.target is None or isinstance(r.target, bytes)
+        # what the engine's byte budget counts is the sample's size; the buffer holds at most 1/16 more
+        assert len(r.data) == len(w.data) and len(r.data.obj) == size_class(len(w.data)) <= len(w.data) * 17 / 16
+    assert pool.made == 24  # each sample in its own buffer: none was reused while still held
+
+
+def test_the_loader_reuses_buffers_and_never_one_still_held(tmp_path):
+    """Over HTTP, epoch after epoch: buffers of batches the consumer dropped are
+    reused; the bytes of batches it keeps (as numpy arrays and memoryview
+    slices) never change; every sample comes exactly once per epoch."""
+    samples = make_samples(96, size=40_000)
+    digest = {s.id: _digest(s.data) for s in samples}
+    kept = []
+
+    async def make_app_():
+        store = await open_store(f"sqlite://{tmp_path / 's.db'}")
+        await seed(store, "d", samples)
+        return make_app(store)
+
+    from server_kit import live_server
+
+    sources = []
+
+    async def source(base):
+        sources.append(await HttpSource.open(base))
+        return sources[-1]
+
+    with live_server(make_app_) as live:
+        with Loader(lambda: source(live.base), "d", batch_size=16, prefetch=Prefetch(max_bytes=1 << 20)) as loader:
+            for epoch in range(4):
+                seen = []
+                for k, batch in enumerate(loader):
+                    seen += batch.ids.tolist()
+                    if k == 0:  # keep one batch per epoch: arrays, and a slice of the sample's view
+                        kept.append((batch.ids.tolist(), batch.data, [memoryview(d)[5:] for d in batch.data]))
+                assert sorted(seen) == sorted(digest)
+            pool = sources[0]._buffers
+    assert pool.reused > 0
+    for ids, arrays, tails in kept:
+        for i, a, t in zip(ids, arrays, tails):
+            assert _digest(a) == digest[i] and bytes(t) == a.tobytes()[5:]
+
+
+def test_buffer_pool_gives_back_only_what_nothing_refers_to():
+    pool = BufferPool(min_size=16)
+    w1, d1 = pool.take(1000)
+    w1[:] = b"a" * 1000
+    as_array = np.frombuffer(d1, np.uint8)  # numpy keeps its own view of the buffer
+    w2, d2 = pool.take(1000)
+    w2[:] = b"b" * 1000
+    tail = d2[10:]  # a slice outlives the sample's view
+    w3, d3 = pool.take(1000)
+    del w1, d1, w2, d2, w3, d3
+    fresh = [pool.take(1000) for _ in range(6)]
+    assert pool.reused == 1  # only the third buffer was free
+    for w, _ in fresh:
+        w[:] = b"z" * 1000
+    assert as_array.tobytes() == b"a" * 1000 and bytes(tail) == b"b" * 990
+    small_w, small = pool.take(8)  # below min_size: not pooled
+    assert len(small) == 8 and small.readonly and pool.made == 8
+
+
+# --- hand-written answers -----------------------------------------------------------------------------------
+class Scripted:
+    """A loopback server that answers request ``k`` (on any connection) with
+    ``replies[k]``: a list of byte strings written with a pause between them
+    (so the client reads them separately), or None to close at once. Counts
+    connections."""
+
+    def __init__(self, *replies: list[bytes] | None, close_after: bool = False) -> None:
+        self.replies = list(replies)
+        self.requests = 0
+        self.connections = 0
+        self.close_after = close_after
+        self.tasks: set[asyncio.Task] = set()
+
+    async def _handle(self, reader, writer) -> None:
+        self.connections += 1
+        self.tasks.add(asyncio.current_task())
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = [int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")]
+                await reader.readexactly(length[0] if length else 0)
+                reply = self.replies[min(self.requests, len(self.replies) - 1)]
+                self.requests += 1
+                if reply is None:
+                    return
+                for part in reply:
+                    writer.write(part)
+                    await writer.drain()
+                    await asyncio.sleep(0.01)
+                if self.close_after:
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.close()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.server.wait_closed()
+
+
+A = Sample(7, 1, bytes(range(256)) * 200, b"mask")  # 51 KB: large enough to be read into its buffer directly
+B = Sample(-3, 2, b"small")
+BODY = b"".join(encode_sample(A)) + encode_not_found(99) + b"".join(encode_sample(B)) + encode_end(3)
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/x-dataferry-frames\r\n"
+FAILED_BODY = b"".join(encode_sample(B)) + encode_error("store_unavailable", "disk on fire")
+
+
+def _chunked(body: bytes, cuts: list[int], ext: bytes = b"") -> list[bytes]:
+    """``body`` as chunks cut at ``cuts``, the encoded stream split into parts at odd places."""
+    edges = [0, *cuts, len(body)]
+    stream = b"".join(b"%x%s\r\n%s\r\n" % (b - a, ext, body[a:b]) for a, b in zip(edges, edges[1:]))
+    stream += b"0\r\nX-Trailer: 1\r\n\r\n"
+    return [stream[:5], stream[5:40], stream[40:20000], stream[20000:20001], stream[20001:]]
+
+
+@pytest.mark.parametrize("reply", ids=["chunked-odd-cuts", "chunk-extensions", "content-length", "until-close",
+                                       "interim-100"], argvalues=[
+    [HEAD + b"Transfer-Encoding: chunked\r\n\r\n", *_chunked(BODY, [3, 28, 29, 30_000, len(BODY) - 10])],
+    [HEAD + b"Transfer-Encoding: chunked\r\n\r\n", *_chunked(BODY, [100], ext=b";name=value")],
+    [HEAD + b"Content-Length: %d\r\n\r\n" % len(BODY), BODY[:10], BODY[10:40_000], BODY[40_000:]],
+    [HEAD.replace(b"1.1", b"1.0") + b"\r\n", BODY[:1000], BODY[1000:]],
+    [b"HTTP/1.1 100 Continue\r\n\r\n" + HEAD + b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY],
+])
+def test_every_framing_of_a_body_decodes_the_same(reply):
+    async def go():
+        async with Scripted(reply, close_after=True) as url, await HttpSource.open(url) as src:
+            return await _drain(src.fetch("d", [7, 99, -3]))
+
+    got = run(go())
+    assert got == [A, SampleNotFound("d", 99), B]
+
+
+def test_keep_alive_reuses_the_connection_and_retries_a_stale_one():
+    """Three fetches ride one connection; when the server drops each
+    connection after its answer, the next fetch goes through on a new one."""
+    reply = [HEAD + b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY]
+
+    scripted = Scripted(reply)
+
+    async def counted():
+        async with scripted as url, await HttpSource.open(url) as src:
+            for _ in range(3):
+                assert len(await _drain(src.fetch("d", [7, 99, -3]))) == 3
+
+    run(counted())
+    assert scripted.connections == 1 and scripted.requests == 3
+
+    closing = Scripted(reply, close_after=True)  # the server closes after each answer
+
+    async def stale():
+        async with closing as url, await HttpSource.open(url) as src:
+            for _ in range(3):
+                assert len(await _drain(src.fetch("d", [7, 99, -3]))) == 3
+                await asyncio.sleep(0.05)  # the close arrives while the connection is idle
+
+    run(stale())
+    assert closing.connections == 3 and closing.requests == 3
+
+
+@pytest.mark.parametrize("reply,error,match", ids=[
+    "gzip", "bytes-after-end", "bad-chunk-size", "not-http", "ends-mid-record", "error-record",
+], argvalues=[
+    ([HEAD + b"Content-Encoding: gzip\r\nContent-Length: 4\r\n\r\nabcd"], StoreUnavailable, "gzip-encoded"),
+    ([HEAD + b"Content-Length: %d\r\n\r\n" % (len(BODY) + 3) + BODY + b"xyz"], StoreError,
+     "corrupt response.*bytes after the END record"),
+    ([HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n"], StoreUnavailable, "malformed HTTP answer.*chunk size"),
+    ([b"SSH-2.0-OpenSSH_9.6\r\n\r\n"], StoreUnavailable, "malformed HTTP answer.*status line"),
+    ([HEAD + b"Transfer-Encoding: chunked\r\n\r\n", *_chunked(BODY[:40_000], [])], StoreUnavailable,
+     "lost connection.*after 0 answers.*ended in the middle"),
+    ([HEAD + b"Content-Length: %d\r\n\r\n" % len(FAILED_BODY) + FAILED_BODY], StoreUnavailable,
+     "failed after 1 answers: disk on fire"),
+])
+def test_broken_answers_fail_with_one_line_naming_the_service(reply, error, match):
+    async def go():
+        async with Scripted(reply) as url, await HttpSource.open(url) as src:
+            with pytest.raises(error, match=match) as info:
+                await _drain(src.fetch("d", [7, 99, -3]))
+            assert url in str(info.value) and "\n" not in str(info.value)
+
+    run(go())
+
+
+def test_a_server_that_stalls_mid_body_is_a_timeout():
+    class Stalling(Scripted):
+        async def _handle(self, reader, writer):
+            self.tasks.add(asyncio.current_task())
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(24)
+                writer.write(HEAD + b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY[:5000])
+                await asyncio.sleep(5)
+            except asyncio.CancelledError:
+                pass
+            finally:
+                writer.close()
+
+    async def go():
+        async with Stalling() as url:
+            async with await HttpSource.open(url, options=HttpOptions(read_timeout=0.3)) as src:
+                with pytest.raises(StoreTimeout, match=f"{url}.*timed out"):
+                    await _drain(src.fetch("d", [7, 99, -3]))
+
+    run(go())
+
+
+def test_the_frame_decoder_takes_bytes_fed_or_sunk_alike():
+    dec = FrameDecoder("d", direct_min=1000)
+    dec.feed(BODY[:30])
+    assert dec.sink() is None  # inside A's target: fed only
+    dec.feed(BODY[30:40])
+    view = dec.sink()  # inside A's data (8 bytes in): the rest of it may be written straight there
+    assert view is not None and len(view) == len(A.data) - 8
+    view[:100] = BODY[40:140]
+    dec.sunk(100)
+    dec.feed(BODY[140:])
+    recs = dec.take()
+    assert recs == [A, SampleNotFound("d", 99), B, EndRecord(3)] and dec.done
+    with pytest.raises(Exception, match="after the END"):
+        dec.feed(b"x")
+    assert FrameDecoder("d").wanted() == 28
+
+
+# --- the benchmark runs ---------------------------------------------------------------------------------
+def test_client_cpu_bench_smoke(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "dataferry.bench.client_cpu", "--data", "random", "--images", "64", "--epochs", "1",
+         "--repeats", "1", "--batch-size", "16", "--no-memory"],
+        capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "TMPDIR": str(tmp_path)},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "client CPU us/sample" in out.stdout and "HTTP, direct" in out.stdout
