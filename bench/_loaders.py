@@ -55,15 +55,13 @@ class Batches:
             close()
 
 
-def ours(url: str, dataset: str, *, order: str, batch_size: int, inflight: int):
-    from dataferry.client import Hedge, Loader, Prefetch
+def ours(url: str, dataset: str, *, order: str, batch_size: int, inflight: int | None = None):
+    """The :class:`~dataferry.client.Loader` a user gets: its defaults (the window and request size tuned to
+    the link), but for ``inflight``, a cap on requests in flight where given."""
+    from dataferry.client import Loader, Prefetch
 
     def make():
-        loader = Loader(
-            url, dataset, batch_size=batch_size, order=order,
-            prefetch=Prefetch(max_inflight=inflight, initial_inflight=2, max_bytes=1 << 30),
-            hedge=Hedge(min_delay=0.5),
-        )
+        loader = Loader(url, dataset, batch_size=batch_size, order=order, prefetch=Prefetch(max_inflight=inflight))
         seen: list[int] = []  # requests in flight, read at each batch
         taken = [0, 0]  # samples, bytes
 

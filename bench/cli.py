@@ -1,7 +1,7 @@
 """``dataferry bench``: every loader against RTT, loss and link rate; a table and plots.
 
-    dataferry bench --quick                 # a few minutes: RTT 0 and 50 ms, 2 runs each, 3,000 images
-    dataferry bench                         # the full sweep, about 30 minutes (see bench/results/README.md)
+    dataferry bench --quick                 # about 6 minutes: RTT 0 and 50 ms, 1 run each, 2,000 images
+    dataferry bench                         # the full sweep, about 40 minutes (see bench/results/README.md)
     sudo dataferry bench --link veth        # a real link-wide rate (tbf), the delay by the proxy
     sudo dataferry bench --link netem       # kernel shaping in namespaces, loss included
 
@@ -23,9 +23,9 @@ from pathlib import Path
 
 __all__ = ["add_cli_arguments", "cli", "QUICK"]
 
-#: what --quick changes (options given explicitly win); 3,000 images are about three rounds of the naive
-#: loader's 16 workers x 64 samples, so that its window is not one burst of batches arriving together
-QUICK = {"images": 3000, "rtts": (0, 50), "rates": (None,), "repeats": 2, "seconds": 2.0}
+#: what --quick changes (options given explicitly win); 2,000 images are two rounds of the naive loader's
+#: 16 workers x 64 samples, so that its window is not one burst of batches arriving together
+QUICK = {"images": 2000, "rtts": (0, 50), "rates": (None,), "repeats": 1, "seconds": 2.0}
 EXIT_NO_NETEM = 3
 
 
@@ -42,7 +42,7 @@ def _rates(text: str) -> tuple[str | None, ...]:
 
 def add_cli_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="a short run: 3,000 images, RTT 0,50, 2 runs of at most 2 s (a few minutes)")
+                   help="a short run: 2,000 images, RTT 0,50, 1 run of at least 2 s each (about 6 minutes)")
     p.add_argument("--out", default="bench-results", metavar="DIR", help="where results go (default: bench-results)")
     p.add_argument("--link", choices=("proxy", "veth", "netem"), default="proxy",
                    help="proxy: latency-proxy processes on loopback (default; no loss; the rate caps each connection); "
@@ -71,7 +71,8 @@ def add_cli_arguments(p: argparse.ArgumentParser) -> None:
                                                      "one request in flight each (default: 16)")
     g.add_argument("--concurrent-workers", type=int, help="DataLoader workers of http-concurrent (default: 4)")
     g.add_argument("--pool", type=int, help="requests in flight per http-concurrent worker (default: 16)")
-    g.add_argument("--inflight", type=int, help="the engine's max requests in flight (default: 64)")
+    g.add_argument("--inflight", type=int, help="cap the engine's requests in flight (default: none, the Loader's "
+                                                "own window, tuned to the link)")
     g.add_argument("--concurrency", type=int, help="CQL requests in flight per store (default: 768)")
     g.add_argument("--shard-mb", type=float, help="shard size of WebDataset, MosaicML Streaming and LitData, MB "
                                                   "(default: 100; smaller only where the dataset has less than "

@@ -85,7 +85,7 @@ class SweepOptions:
     naive_workers: int = 16  # DataLoader workers of the naive loaders, one request in flight each
     concurrent_workers: int = 4  # DataLoader workers of http-concurrent ...
     pool: int = 16  # ... each with this many requests in flight
-    inflight: int = 64  # the engine's max requests in flight
+    inflight: int | None = None  # a cap on the engine's requests in flight; None: its default
     concurrency: int = 768  # CQL requests in flight per store
     shard_mb: float = 100.0
 
@@ -98,11 +98,12 @@ class SweepOptions:
         if not self.rtts or min(self.rtts) < 0 or not self.losses or min(self.losses) < 0 or not self.rates:
             raise ConfigError("RTTs and losses are >= 0, and each list has at least one value")
         for name in ("images", "repeats", "batch_size", "workers", "naive_workers", "concurrent_workers", "pool",
-                     "inflight", "concurrency"):
+                     "concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_samples is not None and self.max_samples < 1:
-            raise ConfigError(f"max_samples must be at least 1 (or None: one epoch), got {self.max_samples}")
+        for name in ("max_samples", "inflight"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1 (or None: the default), got {getattr(self, name)}")
         if self.seconds <= 0 or self.shard_mb <= 0 or self.jitter_ms < 0:
             raise ConfigError("seconds and shard size must be > 0, jitter >= 0")
 
@@ -130,7 +131,8 @@ class SweepOptions:
             return f"configured: {self.concurrent_workers} workers x {self.pool} threads, 1 request each"
         if name == "webdataset":
             return f"configured: {self.workers} workers x 1 HTTP stream (curl, one shard at a time)"
-        return (f"measured: the engine's requests in flight at each batch, mean and peak (at most {self.inflight}); "
+        cap = "the engine's own cap" if self.inflight is None else f"at most {self.inflight}"
+        return (f"measured: the engine's requests in flight at each batch, mean and peak ({cap}); "
                 "each request carries several samples")
 
     def to_json(self) -> dict:

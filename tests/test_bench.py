@@ -71,7 +71,7 @@ def test_tiny_sweep_writes_runs_summary_table_and_plots(tmp_path):
         # at most one epoch (the default): 160 samples, the first batch and the last included
         assert int(r["samples"]) + int(r["first_samples"]) <= 160 and r["within_epoch"] == "True", r
     # in flight: the engine's own count for ours (several samples a request), the configuration for the peers
-    assert 1 <= float(measured["http-ooo"]["inflight"]) <= float(measured["http-ooo"]["inflight_peak"]) <= 64
+    assert 1 <= float(measured["http-ooo"]["inflight"]) <= float(measured["http-ooo"]["inflight_peak"]) <= 4096
     assert float(measured["http-ooo"]["per_request"]) >= 1
     assert float(measured["http-naive"]["inflight"]) == 3 and float(measured["http-concurrent"]["inflight"]) == 8
     if has_wds:
