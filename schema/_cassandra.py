@@ -2,11 +2,20 @@
 
 One prepared statement per request, one partition per sample, so every read
 is a single-partition lookup routed to a replica (token-aware policy). The
-driver runs its own IO thread; each request crosses into asyncio exactly once,
-through ``loop.call_soon_threadsafe`` from the driver callback. An
-``asyncio.Semaphore`` of ``opts.concurrency`` bounds the requests in flight,
-reads and writes together, and every bulk operation keeps at most that many
-pending, however many ids it is given.
+driver runs its own IO thread; its callbacks append each answer to one queue
+and wake the event loop only when the queue was idle
+(``loop.call_soon_threadsafe`` once per burst, not once per answer), and the
+loop settles every queued answer in one go. An ``asyncio.Semaphore`` of
+``opts.concurrency`` bounds the requests in flight, reads and writes together,
+and every bulk operation keeps at most that many pending, however many ids it
+is given.
+
+Opening costs the connection set-up (``_cqlconnect.open_cluster``) and one
+round trip more: the statements of the read path (``_EAGER``) are prepared
+at once, in parallel, which also tells a missing keyspace or table. Every
+other statement is prepared on its first use. The keyspace's metadata (for
+token-aware routing) is loaded in the background; until it is there,
+requests go round robin.
 
 What the oldest supported server (Cassandra 1.2, native protocol v1) forces:
 no batches, no ``IF NOT EXISTS``, no null bind values, no server-side paging.
@@ -29,9 +38,8 @@ import datetime as _dt
 from collections import deque
 from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
 from contextlib import aclosing
-from functools import partial
 
-from ._cqlconnect import connect, translate, where
+from ._cqlconnect import close_leftovers, grow_pool, open_cluster, translate, where
 from ._errors import DatasetNotFound, SampleNotFound, SplitNotFound, StoreError, StoreUnavailable
 from ._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo, check_name
 from ._splits import DerivedSplit
@@ -72,6 +80,10 @@ _STATEMENTS = {
     "del_chunk": ("DELETE FROM {ks}.split_chunks WHERE dataset=? AND split=? AND chunk=?", 3),
 }
 
+#: Prepared while the store opens, in parallel: what a Loader needs before its first batch
+#: (the split's id list, the samples), and what says whether the keyspace and tables exist.
+_EAGER = ("fetch", "split", "chunk", "dataset")
+
 #: Statements on ``derived_splits``, prepared on first use: a keyspace made
 #: before that table existed still opens, and says how to add it when used.
 _DERIVED_STATEMENTS = {
@@ -88,6 +100,21 @@ _DERIVED_STATEMENTS = {
 }
 
 
+def _quietly(aw) -> asyncio.Future:
+    """``aw`` as a future whose failure needs no reader: it is read where awaited, and
+    a background one that nobody awaits (token-aware routing's keyspace metadata, whose
+    loss only means round-robin routing) fails without a "never retrieved" report."""
+    fut = asyncio.ensure_future(aw)
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut
+
+
+def _no_keyspace(exc: BaseException, keyspace: str) -> bool:
+    """Whether the server said that ``keyspace`` does not exist (preparing a statement in it)."""
+    text = str(exc).lower()
+    return keyspace.lower() in text and "keyspace" in text and "not exist" in text
+
+
 class CassandraStore:
     """The Cassandra/ScyllaDB store. Open with :func:`dataferry.schema.open_store`."""
 
@@ -98,31 +125,57 @@ class CassandraStore:
         self._cluster = cluster
         self._session = session
         self._ps = prepared
+        self._preparing: dict[str, asyncio.Future] = {}  # statements being prepared on first use
         self._loop = asyncio.get_running_loop()
         self._sem = asyncio.Semaphore(opts.concurrency)
         self._inflight = 0
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
+        self._arrivals: deque = deque()  # (sink, key, rows, exc), appended by the driver's IO thread
+        self._draining = False  # a drain of _arrivals is scheduled on the loop
+        self._pages: dict = {}  # ResponseFuture -> rows of the pages before its last (v2+ full scans)
+        self._background: asyncio.Future | None = None
         self._closed = False
 
     @classmethod
     async def open(cls, opts: CassandraOptions, *, url: str) -> CassandraStore:
-        cluster, session, exists = await asyncio.to_thread(connect, opts)
-        try:
-            if not exists:
+        cluster, session = await asyncio.to_thread(open_cluster, opts)
+        prepared = await asyncio.gather(
+            *(asyncio.to_thread(cls._prepare, session, n, opts) for n in _EAGER), return_exceptions=True
+        )
+        failed = next((p for p in prepared if isinstance(p, BaseException)), None)
+        if failed is not None:
+            await asyncio.to_thread(cluster.shutdown)
+            if not isinstance(failed, Exception):
+                raise failed
+            if _no_keyspace(failed, opts.keyspace):
                 raise StoreUnavailable(
                     f"cassandra store {where(opts)}: keyspace {opts.keyspace!r} does not exist; "
                     f"create it with: dataferry schema apply --store {redact_url(url)}"
-                )
-            names = list(_STATEMENTS)
-            prepared = await asyncio.gather(*(asyncio.to_thread(cls._prepare, session, n, opts) for n in names))
-        except BaseException as exc:
-            await asyncio.to_thread(cluster.shutdown)
-            if not isinstance(exc, Exception) or isinstance(exc, StoreUnavailable):
-                raise
-            err = translate(exc, f"cassandra store {where(opts)}: preparing statements", url=url)
-            raise err from (None if err is exc else exc)
-        return cls(opts, url, cluster, session, dict(zip(names, prepared)))
+                ) from failed
+            err = translate(failed, f"cassandra store {where(opts)}: preparing statements", url=url)
+            raise err from (None if err is failed else failed)
+        grow_pool(cluster, opts)  # the keyspace exists: the store will be used
+        store = cls(opts, url, cluster, session, dict(zip(_EAGER, prepared)))
+        store._background = _quietly(asyncio.to_thread(cluster.refresh_keyspace_metadata, opts.keyspace))
+        return store
+
+    async def _statement(self, name: str):
+        """The prepared statement ``name``, prepared on its first use (once, however many ask at once)."""
+        ps = self._ps.get(name)
+        if ps is not None:
+            return ps
+        fut = self._preparing.get(name)
+        if fut is None:
+            fut = self._preparing[name] = _quietly(asyncio.to_thread(self._prepare, self._session, name, self._opts))
+        try:
+            ps = await asyncio.shield(fut)
+        except Exception:
+            if self._preparing.get(name) is fut:
+                del self._preparing[name]  # the next use tries again
+            raise
+        self._ps[name] = ps
+        return ps
 
     @staticmethod
     def _prepare(session, name: str, opts: CassandraOptions):
@@ -133,65 +186,88 @@ class CassandraStore:
             ps.routing_key_indexes = list(range(pk))
         return ps
 
-    # --- plumbing: one hop per request ------------------------------------------
-    def _issue(self, name: str, params: tuple, deliver) -> None:
-        """Send one request (the semaphore is held); ``deliver(rows, exc)`` runs on the loop."""
-        loop, sem = self._loop, self._sem
+    # --- plumbing: answers cross to the loop in bursts -------------------------------
+    def _issue(self, ps, params: tuple, sink, key) -> None:
+        """Send one request (the semaphore is held); ``sink(key, rows, exc)`` runs on the loop."""
         self._inflight += 1
         self._idle.clear()
+        try:
+            rf = self._session.execute_async(ps, params, timeout=self._opts.request_timeout)
+        except Exception as exc:  # noqa: BLE001 - bind errors, or the session is shut down
+            self._settle(sink, key, None, exc)
+            return
+        rf.add_callbacks(self._on_rows, self._on_error, callback_args=(rf, sink, key), errback_args=(rf, sink, key))
 
-        def settle(rows, exc):
-            sem.release()
-            self._inflight -= 1
-            if not self._inflight:
-                self._idle.set()
-            deliver(rows, exc)
+    def _on_rows(self, rows, rf, sink, key) -> None:
+        """Driver IO thread: an answer (or a page of one)."""
+        if rf.has_more_pages:  # only v2+ servers page, and only full scans get there
+            self._pages.setdefault(rf, []).extend(rows)
+            rf.start_fetching_next_page()
+            return
+        pages = self._pages.pop(rf, None)
+        self._arrive((sink, key, pages + list(rows) if pages else rows, None))
 
-        def hop(rows, exc):
+    def _on_error(self, exc, rf, sink, key) -> None:
+        """Driver IO thread: a request failed."""
+        self._pages.pop(rf, None)
+        self._arrive((sink, key, None, exc))
+
+    def _arrive(self, item: tuple) -> None:
+        """Any thread: queue ``item`` for the loop; wake the loop only if no drain is scheduled."""
+        self._arrivals.append(item)
+        if not self._draining:
+            self._draining = True
             try:
-                loop.call_soon_threadsafe(settle, rows, exc)
+                self._loop.call_soon_threadsafe(self._drain)
             except RuntimeError:  # the loop is closed: nobody waits for this any more
                 pass
 
-        try:
-            rf = self._session.execute_async(self._ps[name], params, timeout=self._opts.request_timeout)
-        except Exception as exc:  # noqa: BLE001 - bind errors, or the session is shut down
-            settle(None, exc)
-            return
-        pages: list = []
+    def _drain(self) -> None:
+        """On the loop: settle every queued answer. Cleared first: an answer queued while
+        this runs is either taken here or schedules the next drain."""
+        self._draining = False
+        arrivals, settle = self._arrivals, self._settle
+        while arrivals:
+            settle(*arrivals.popleft())
 
-        def on_rows(rows):
-            if rf.has_more_pages:  # only v2+ servers page, and only full scans get there
-                pages.extend(rows)
-                rf.start_fetching_next_page()
-            else:
-                hop(pages + list(rows) if pages else rows, None)
-
-        rf.add_callbacks(on_rows, partial(hop, None))
+    def _settle(self, sink, key, rows, exc) -> None:
+        self._sem.release()
+        self._inflight -= 1
+        if not self._inflight:
+            self._idle.set()
+        sink(key, rows, exc)
 
     async def _many(self, name: str, jobs: Iterable[tuple[object, tuple]], what: str) -> AsyncIterator[tuple]:
         """Run ``(key, params)`` jobs, at most ``concurrency`` pending; yield ``(key, rows)`` as they complete."""
         if self._closed:
             raise StoreUnavailable(f"cassandra store {self._where} is closed")
+        ps = self._ps.get(name)
+        if ps is None:
+            try:
+                ps = await self._statement(name)
+            except Exception as exc:
+                err = self._error(exc, what)
+                raise err from (None if err is exc else exc)
         done: deque = deque()
         wake = asyncio.Event()
 
-        def deliver(key, rows, exc):
+        def sink(key, rows, exc):
             done.append((key, rows, exc))
             wake.set()
 
         jobs, more, pending = iter(jobs), True, 0
+        limit, sem, issue = self._opts.concurrency, self._sem, self._issue
         while True:
-            while more and pending < self._opts.concurrency:
+            while more and pending < limit:
                 job = next(jobs, None)
                 if job is None:
                     more = False
                     break
-                await self._sem.acquire()
+                await sem.acquire()
                 if self._closed:  # closed while this waited: issue nothing more
-                    self._sem.release()
+                    sem.release()
                     raise StoreUnavailable(f"cassandra store {self._where} is closed")
-                self._issue(name, job[1], partial(deliver, job[0]))
+                issue(ps, job[1], sink, job[0])
                 pending += 1
             if not pending:
                 return
@@ -219,7 +295,8 @@ class CassandraStore:
 
     # --- the seam ------------------------------------------------------------------
     async def fetch(self, dataset: str, ids: Sequence[int]) -> AsyncIterator[FetchResult]:
-        jobs = ((int(i), (dataset, int(i))) for i in ids)
+        ids = ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids]  # Python ints, converted once
+        jobs = ((i, (dataset, i)) for i in ids)
         async for i, rows in self._many("fetch", jobs, f"fetch from dataset {dataset!r}"):
             if rows:
                 label, data, target = rows[0]
@@ -394,11 +471,18 @@ class CassandraStore:
         try:
             # Shutting the cluster down under a request orphans it (the driver drops its retry) with its
             # timer pending until the deadline; an answered one leaves nothing behind.
-            await asyncio.wait_for(self._idle.wait(), min(_CLOSE_GRACE_S, self._opts.request_timeout))
+            # The keyspace's metadata loads on the control connection: let it end too, not fail mid-way.
+            waits = [self._idle.wait(), *(f for f in (self._background,) if f is not None)]
+            grace = min(_CLOSE_GRACE_S, self._opts.request_timeout)
+            await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), grace)
         except TimeoutError:
             pass  # the server is slow or gone: shut down anyway
         finally:
-            await asyncio.to_thread(self._cluster.shutdown)
+            await asyncio.to_thread(self._shutdown)
+
+    def _shutdown(self) -> None:
+        self._cluster.shutdown()
+        close_leftovers(self._cluster)  # a pool connection grow_pool was opening when the pool closed
 
     async def __aenter__(self) -> CassandraStore:
         return self

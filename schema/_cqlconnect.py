@@ -11,7 +11,17 @@ Cassandra 5 and ScyllaDB:
   "Downgrading core protocol version" line per step; ``protocol_version=N`` in
   the store URL skips that);
 * schema metadata is off (no refresh storms on schema changes, no schema scan
-  per worker); only the store's keyspace is loaded, for token-aware routing;
+  per worker); only the store's keyspace is loaded, for token-aware routing
+  (the store loads it in the background, off the path to the first read);
+* on protocol v1/v2 the pool opens with one connection per host (the driver
+  opens a pool's first connections one after another, three round trips
+  each); :func:`grow_pool` adds the rest in the background once the store
+  knows its keyspace exists;
+* token-aware routing is skipped while the cluster has a single node
+  (:class:`_Routing`): every query plan is that node, and hashing each
+  partition key (in Python on RandomPartitioner clusters) buys nothing;
+* reads arrive in frames of a sample each (~100 KB): the connection reads the
+  socket 256 KiB at a time (:func:`_connection_class`), not 4 KiB;
 * the driver's libev IO loop stops its timer once no timer is pending
   (:func:`_mend_libev_timer`), so that it ends with the last connection instead
   of spinning a core after ``Cluster.shutdown()``.
@@ -22,11 +32,12 @@ from __future__ import annotations
 import math
 import ssl
 import time
+import weakref
 
 from ._errors import ConfigError, StoreError, StoreTimeout, StoreUnavailable
 from ._url import CassandraOptions, redact_url
 
-__all__ = ["connect", "translate", "where"]
+__all__ = ["connect", "open_cluster", "grow_pool", "close_leftovers", "translate", "where"]
 
 
 def where(opts: CassandraOptions) -> str:
@@ -95,20 +106,139 @@ def _mend_libev_timer(connection_class) -> None:
     LibevLoop._update_timer = _update_timer
 
 
-def connect(opts: CassandraOptions, **cluster_args):
-    """Blocking: ``(cluster, session, keyspace_exists)`` for ``opts``; no keyspace is set.
+#: bytes a connection asks the socket for per read (the driver's default is 4 KiB)
+_READ_SIZE = 256 << 10
 
-    Raise StoreUnavailable naming the hosts when none answers. Used by the store
-    and by ``schema apply``.
+
+def _connection_class(base):
+    """A subclass of ``base`` (the driver's reactor connection) for one cluster:
+    it reads the socket ``_READ_SIZE`` at a time, parses the frames of each read
+    before the next (libev), and knows its connections (``opened``).
+
+    Every reactor reads ``Connection.in_buffer_size`` bytes per call; at 4 KiB a
+    110 KB sample is 27 reads, each a Python round in the IO thread. And the
+    libev reactor reads until the socket is drained before it parses: the
+    driver's buffer then holds every frame that arrived, and it copies what
+    follows a frame out of the buffer once per frame, so a backlog of n frames
+    costs n²/2 frame copies. A backlog is what a busy client has: the copies
+    are most of the IO thread's CPU (``python -m dataferry.bench.cql_path``).
+    The reactor's loop is made on ``base`` first, so that reactors whose loop
+    is a class attribute (asyncore, asyncio) share it; libev's is global.
+    """
+    base.initialize_reactor()
+
+    def __init__(self, *args, **kwargs):
+        base.__init__(self, *args, **kwargs)
+        type(self).opened.add(self)
+
+    attrs = {"in_buffer_size": max(base.in_buffer_size, _READ_SIZE), "opened": weakref.WeakSet(),
+             "__init__": __init__, "__module__": __name__}
+    read = _libev_read(base)
+    if read is not None:
+        attrs["handle_read"] = read
+    return type(base.__name__, (base,), attrs)
+
+
+def _libev_read(base):
+    """``handle_read`` for a libev connection ``base`` that parses after every read; None for other reactors."""
+    try:
+        from cassandra.io.libevreactor import NONBLOCKING, LibevConnection, libev
+    except Exception:  # noqa: BLE001 - DependencyException or ImportError: libev is not built here
+        return None
+    if not issubclass(base, LibevConnection):
+        return None
+    original = base.handle_read
+    again = (ssl.SSL_ERROR_WANT_READ, ssl.SSL_ERROR_WANT_WRITE)
+
+    def handle_read(self, watcher, revents, errno=None):
+        """The driver's ``LibevConnection.handle_read``, but each read's frames are parsed before the next read."""
+        if revents & libev.EV_ERROR:
+            return original(self, watcher, revents, errno)
+        size = self.in_buffer_size
+        while True:
+            try:
+                buf = self._socket.recv(size)
+            except OSError as err:
+                if err.args and err.args[0] in (again if isinstance(err, ssl.SSLError) else NONBLOCKING):
+                    return None  # nothing more to read now
+                self.defunct(err)
+                return None
+            if not buf:  # closed by the server
+                self.close()
+                return None
+            self._iobuf.write(buf)
+            self.process_io_buffer()
+            if len(buf) < size:
+                return None
+
+    return handle_read
+
+
+def close_leftovers(cluster) -> None:
+    """After ``cluster.shutdown()``: close the connections it left open.
+
+    The driver opens pool connections in the background (:func:`grow_pool`) and
+    adds one that was being opened when the pool shut down to the closed pool,
+    open, for good, keeping its IO loop alive. ``shutdown()`` waits for those
+    openings to end; this closes what they left.
+    """
+    for conn in list(getattr(cluster.connection_class, "opened", ())):
+        if not conn.is_closed:
+            conn.close()
+
+
+def _routing(child):
+    from cassandra.policies import TokenAwarePolicy
+
+    class _Routing(TokenAwarePolicy):
+        """Token-aware routing, skipped while the cluster has a single node."""
+
+        def __init__(self, child_policy) -> None:
+            super().__init__(child_policy)
+            self._child = child_policy
+            self._hosts: set = set()
+
+        def populate(self, cluster, hosts):
+            self._hosts = set(hosts)
+            super().populate(cluster, hosts)
+
+        def on_add(self, host, *args, **kwargs):
+            self._hosts.add(host)
+            return super().on_add(host, *args, **kwargs)
+
+        def on_remove(self, host, *args, **kwargs):
+            self._hosts.discard(host)
+            return super().on_remove(host, *args, **kwargs)
+
+        def make_query_plan(self, working_keyspace=None, query=None):
+            if len(self._hosts) <= 1:
+                return self._child.make_query_plan(working_keyspace, query)
+            return super().make_query_plan(working_keyspace, query)
+
+    return _Routing(child)
+
+
+def open_cluster(opts: CassandraOptions, *, pool: int = 1, **cluster_args):
+    """Blocking: ``(cluster, session)`` connected to ``opts``'s hosts; no keyspace is
+    set or checked. Raise StoreUnavailable naming the hosts when none answers.
+
+    ``pool``: connections per host to open now on protocol v1/v2 when the URL
+    names the version (the driver opens them one after another); the rest come
+    from :func:`grow_pool`, whose caller must end with :func:`close_leftovers`.
+
+    Round trips: the control connection's (connect, OPTIONS, STARTUP, REGISTER,
+    peers and local; one more for the peers table on servers without
+    ``system.peers_v2``), then one pool connection per host (connect, OPTIONS,
+    STARTUP), the hosts in parallel. Nothing else: no schema, no keyspace.
     """
     from cassandra import ConsistencyLevel, ProtocolVersion
     from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile
-    from cassandra.policies import DCAwareRoundRobinPolicy, RoundRobinPolicy, TokenAwarePolicy
+    from cassandra.policies import DCAwareRoundRobinPolicy, HostDistance, RoundRobinPolicy
     from cassandra.query import tuple_factory
 
     child = DCAwareRoundRobinPolicy(opts.local_dc) if opts.local_dc else RoundRobinPolicy()
     profile = ExecutionProfile(
-        load_balancing_policy=TokenAwarePolicy(child),
+        load_balancing_policy=_routing(child),
         consistency_level=ConsistencyLevel.name_to_value[opts.consistency],
         request_timeout=opts.request_timeout,
         row_factory=tuple_factory,
@@ -123,7 +253,8 @@ def connect(opts: CassandraOptions, **cluster_args):
         control_connection_timeout=opts.connect_timeout,
         ssl_context=_ssl_context(opts),
         compression=False,  # encoded images do not compress
-        schema_metadata_enabled=False,  # we need the keyspace only; loaded below
+        schema_metadata_enabled=False,  # we need the keyspace only; loaded by the caller
+        connection_class=_connection_class(Cluster.connection_class),
         **cluster_args,
     )
     _mend_libev_timer(cluster.connection_class)
@@ -132,9 +263,29 @@ def connect(opts: CassandraOptions, **cluster_args):
     if opts.username:
         cluster.auth_provider = _auth_provider(cluster, opts.username, opts.password)
     if opts.protocol_version is not None and opts.protocol_version < 3:
-        _size_pool(cluster, opts)  # known up front: size the pool before it opens
+        # known up front: size the pool before it opens
+        cluster.set_max_connections_per_host(HostDistance.LOCAL, max(pool, _pool_size(opts)))
+        cluster.set_core_connections_per_host(HostDistance.LOCAL, pool)
     try:
         session = cluster.connect()
+    except Exception as exc:
+        cluster.shutdown()
+        err = translate(exc, f"cannot connect to cassandra store {where(opts)}")
+        raise err from (None if err is exc else exc)
+    return cluster, session
+
+
+def connect(opts: CassandraOptions, **cluster_args):
+    """Blocking: ``(cluster, session, keyspace_exists)`` for ``opts``; no keyspace is set.
+
+    :func:`open_cluster` with the whole pool opened at once (a URL that names
+    v1/v2), then the keyspace is looked up and, when it exists, loaded (for
+    token-aware routing). Nothing is left opening in the background, so a
+    plain ``cluster.shutdown()`` ends it. Raise StoreUnavailable naming the
+    hosts when none answers. Used by ``schema apply``.
+    """
+    cluster, session = open_cluster(opts, pool=_pool_size(opts), **cluster_args)
+    try:
         exists = opts.keyspace in _keyspaces(session)
         if exists:  # replica placement for token-aware routing needs the keyspace's replication
             cluster.refresh_keyspace_metadata(opts.keyspace)
@@ -142,21 +293,28 @@ def connect(opts: CassandraOptions, **cluster_args):
         cluster.shutdown()
         err = translate(exc, f"cannot connect to cassandra store {where(opts)}")
         raise err from (None if err is exc else exc)
-    if cluster.protocol_version < 3 and exists:
-        # grow the pool only for a store that will be used: the connections it
-        # opens in the background outlive a shutdown that comes before they do
-        # (a missing keyspace is closed at once), keeping the driver's IO loop alive
-        _size_pool(cluster, opts)
     return cluster, session, exists
 
 
-def _size_pool(cluster, opts: CassandraOptions) -> None:
-    """v1/v2 allow 128 requests per connection: open enough for ``concurrency``."""
+def grow_pool(cluster, opts: CassandraOptions) -> None:
+    """v1/v2 allow 128 requests per connection: open enough for ``concurrency``,
+    in the background (the driver's executor). Nothing to do on v3+.
+
+    Only for a store that will be used: connections opened in the background
+    outlive a shutdown that comes before they do (a missing keyspace is closed
+    at once), keeping the driver's IO loop alive.
+    """
     from cassandra.policies import HostDistance
 
-    n = min(8, max(2, math.ceil(opts.concurrency / 100) + 1))
+    if cluster.protocol_version >= 3:
+        return
+    n = _pool_size(opts)
     cluster.set_max_connections_per_host(HostDistance.LOCAL, n)
     cluster.set_core_connections_per_host(HostDistance.LOCAL, n)
+
+
+def _pool_size(opts: CassandraOptions) -> int:
+    return min(8, max(2, math.ceil(opts.concurrency / 100) + 1))
 
 
 def _keyspaces(session) -> set[str]:
