@@ -255,10 +255,17 @@ class Link:
     #: in-flight target per bandwidth-delay product (BBR's cwnd_gain), and while the delivery
     #: rate still grows by a quarter per round trip (BBR's startup gain, 2/ln 2)
     GAIN, STARTUP_GAIN = 2.0, 2.89
-    #: the lowest latency is remembered this long (BBR's min_rtt window)
-    MIN_LATENCY_S = 10.0
-    #: the smallest tuned window, and the smallest start
+    #: the lowest latency is remembered this long (BBR's min_rtt window); when it expires and the
+    #: lowest since is PROBE_RISE times higher, the round trip is probed again
+    MIN_LATENCY_S, PROBE_RISE = 10.0, 1.25
+    #: a probe ends after this many answers of requests sent with at most MIN_WINDOW in flight
+    PROBE_SAMPLES = 2
+    #: the smallest tuned window, and the smallest start (and the fewest requests a link-bound
+    #: window is cut into)
     MIN_WINDOW, MIN_START = 2, 4
+    #: the link is the limit (not the engine's CPU) when the round trip is at least LINK_RTT_S and
+    #: the engine's thread was on CPU less than LINK_BOUND of it
+    LINK_RTT_S, LINK_BOUND = 0.01, 0.5
     #: the delivery-rate filter spans this many round trips (at least RATE_SPAN_S seconds)
     RATE_ROUNDS, RATE_SPAN_S = 10, 0.25
     #: a delivery-rate sample spans at least a round trip and this many seconds
@@ -281,7 +288,12 @@ class Link:
         self._marks: deque[tuple[float, int]] = deque()  # (when, delivered) over the last round trip
         self._mins: deque[tuple[float, float]] = deque()  # (when, latency), latencies increasing
         self.filled = False  # the delivery rate stopped growing: the pipe is full
+        self.probing = False  # holding MIN_WINDOW requests to see the round trip without our queue
+        self._probe_saved, self._probe_lats = 0.0, []
         self._full_bw, self._flat_rounds, self._round_end = 0.0, 0, 0.0
+        self._round_start: float | None = None
+        self._round_cpu = 0.0
+        self.busy: float | None = None  # the share of the last round trip the engine's thread was on CPU
         self.sizer: _RequestSizer | None = None
         self.started = False
         self._logged: dict[str, float] = {}
@@ -332,6 +344,11 @@ class Link:
         gain = self.GAIN if self.filled else self.STARTUP_GAIN
         return max(float(self.MIN_WINDOW), min(cap, gain * bdp))
 
+    def sending(self, now: float) -> None:
+        """A request goes out at ``now``: the first starts the delivery-rate clock."""
+        if not self._marks:
+            self._marks.append((now, self.delivered))
+
     def rate_sample(self, now: float) -> None:
         """A request was answered at ``now``: sample the delivery rate over the last round trip.
 
@@ -359,9 +376,19 @@ class Link:
         while rates[0][0] < now - span:
             rates.popleft()
         self.bandwidth = rates[0][1]
-        if not self.filled and now >= self._round_end and self.min_latency is not None:
-            # once a round trip: has the rate grown by a quarter? three times no: the pipe is full
-            self._round_end = now + self.min_latency
+        if now >= self._round_end and self.min_latency is not None:
+            self._round(now)
+
+    def _round(self, now: float) -> None:
+        """Once a round trip: is the pipe full yet; does the request size fit the link."""
+        cpu = time.thread_time()
+        if self._round_start is not None and now > self._round_start:
+            self.busy = min(1.0, (cpu - self._round_cpu) / (now - self._round_start))
+        self._round_start, self._round_cpu = now, cpu
+        self._round_end = now + max(self.min_latency, self.RATE_MIN_S)
+        self._fit_size()
+        if not self.filled:
+            # has the rate grown by a quarter? three times no: the pipe is full
             if self.bandwidth >= 1.25 * self._full_bw:
                 self._full_bw, self._flat_rounds = self.bandwidth, 0
             else:
@@ -371,8 +398,58 @@ class Link:
                     self._log("filled", f"delivery rate levelled off at {self.bandwidth / 1e6:,.1f} MB/s: "
                                         f"window towards {self._why(self.target())}")
 
-    def answered(self, latency: float, full: bool, size: int = 0, samples: int = 0) -> None:
-        """A request of ``size`` ids came back whole after ``latency`` seconds: size the window.
+    def _fit_size(self) -> None:
+        """A link-bound loader (its thread mostly idle) whose window holds fewer than
+        ``MIN_START`` requests: smaller requests, so the window is not one request in a
+        round trip (on a slow link a large request is a burst, then a gap)."""
+        if (self.sizer is None or self.busy is None or self.busy > self.LINK_BOUND or self.request_size <= 1
+                or self.min_latency < self.LINK_RTT_S):
+            return
+        fits = self.GAIN * self.bandwidth * self.min_latency / (self.MIN_START * self.mean_bytes)
+        size = self.request_size
+        while size > 1 and size > fits:
+            size //= 2
+        if size < self.request_size:
+            self.sizer.done = True
+            self._resize(size, f"the link carries {self.bandwidth / 1e6:,.1f} MB/s x {self.min_latency * 1e3:.0f} ms "
+                               f"and this thread was {self.busy:.0%} busy: {self.MIN_START} requests of {size} ids "
+                               f"fit {self.GAIN:g} x that")
+
+    def _start_probe(self, why: str) -> None:
+        """Hold ``MIN_WINDOW`` requests until a few answer: the round trip without our own queue
+        (BBR's drain and ProbeRTT; the start-up window, or a standing queue, inflates latency)."""
+        if self.probing:
+            return
+        self.probing = True
+        self._probe_saved, self._probe_lats = self.window, []
+        self.window = float(self.MIN_WINDOW)
+        self._log("probe", f"{why}: {self.MIN_WINDOW} requests in flight for a round trip, to measure it")
+
+    def _probed(self, latency: float, sent_with: int) -> bool:
+        """During a probe: take the latency of a request sent with the window drained; True while probing."""
+        if sent_with <= self.MIN_WINDOW:
+            self._probe_lats.append(latency)
+        if len(self._probe_lats) < self.PROBE_SAMPLES:
+            return True
+        self.probing = False
+        was = self.min_latency
+        self._mins.clear()
+        self.min_latency = self._windowed_min(min(self._probe_lats))
+        self.window = max(float(self.MIN_WINDOW), min(self._probe_saved, self.target()))
+        self._log("probed", f"round trip {self.min_latency * 1e3:.1f} ms (was {(was or 0) * 1e3:.1f}): "
+                            f"window {self.window:.0f}, towards {self._why(self.target())}")
+        return False
+
+    def answered(
+        self, latency: float, full: bool, size: int = 0, samples: int = 0, sent_with: int = 0,
+        *, first: float | None = None,
+    ) -> None:
+        """A request of ``size`` ids came back whole after ``latency`` seconds (its first
+        answer after ``first``), sent with ``sent_with`` requests in flight: size the window.
+
+        Tuned, queueing and the round trip are judged on ``first``: a request's
+        own transfer time is not queueing, and over a slow link a large
+        request's latency is mostly that.
 
         It grows by one per answer (doubling per round trip) up to
         :meth:`target` until answers start to queue: ``window * (1 -
@@ -389,9 +466,16 @@ class Link:
                 self._resize(*change)
         if not full:
             return  # a short request (a retry, a hedge, an epoch's tail) says little about queueing
-        self.latencies.append(latency)
+        self.latencies.append(latency)  # the hedge's quantile: whole requests
         if self.tuned:
-            self.min_latency = self._windowed_min(latency)
+            latency = latency if first is None else first
+            if self.probing:
+                if self._probed(latency, sent_with):
+                    return
+            else:
+                self.min_latency = self._windowed_min(latency)
+                if self.probing:
+                    return
         else:
             self.min_latency = min(self.latencies)
         queued = 0.0
@@ -421,8 +505,13 @@ class Link:
         while mins and mins[-1][1] >= latency:
             mins.pop()
         mins.append((now, latency))
+        old = mins[0][1]
+        if mins[0][0] >= now - self.MIN_LATENCY_S:
+            return old
         while mins[0][0] < now - self.MIN_LATENCY_S:
             mins.popleft()
+        if mins[0][1] > self.PROBE_RISE * old:
+            self._start_probe(f"latency has been above {old * 1e3:.1f} ms for {self.MIN_LATENCY_S:g} s")
         return mins[0][1]
 
     def _why(self, target: float) -> str:
@@ -472,6 +561,8 @@ class _Req:
     reserved: int
     per_sample: int = 0
     size: int = 0  # the request size when it was sent: fewer ids make it short
+    sent_with: int = 0  # requests in flight (not hedges) when it was sent, itself included
+    first: float = 0.0  # when its first answer came
     hedge: bool = False
     twin: _Req | None = None
     deadline: float = float("inf")  # when to hedge it
@@ -658,7 +749,7 @@ class Run:
 
     # --- the dispatcher ----------------------------------------------------------
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         try:
             while True:
                 self._advance()
@@ -862,12 +953,14 @@ class Run:
             self._nhedge += 1
         else:
             self._nreq += 1
+            req.sent_with = self._nreq
             if self.link.hedge_after != _INF:
                 req.deadline = now + self.link.hedge_after
                 heapq.heappush(self._hedges, (req.deadline, next(self._seq), req))
         self._reserved += reserved
         ep.reserved += reserved
         self.c.peak_bytes = max(self.c.peak_bytes, self._reserved + self.ready_bytes)
+        self.link.sending(now)
         req.task = asyncio.ensure_future(self._fetch(req))
         req.task.add_done_callback(lambda _, req=req: self._task_done(req))
         self._active.add(req)
@@ -887,6 +980,8 @@ class Run:
         positions = req.positions.get(result.id)
         if positions is None or result.id in req.answered:
             return  # not asked for in this request; never trust it
+        if not req.answered:
+            req.first = self._loop.time()
         req.answered.add(result.id)
         take = min(req.reserved, req.per_sample * len(positions))
         req.reserved -= take
@@ -948,7 +1043,7 @@ class Run:
             lat = now - req.start
             full = not req.hedge and sum(map(len, req.positions.values())) >= req.size
             self.link.rate_sample(now)
-            self.link.answered(lat, full, req.size, len(req.answered))
+            self.link.answered(lat, full, req.size, len(req.answered), req.sent_with, first=req.first - req.start)
             c = self.c
             c.request_latency = lat if c.request_latency is None else c.request_latency * 0.875 + lat * 0.125
             c.answers += 1

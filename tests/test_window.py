@@ -201,3 +201,15 @@ def test_window_options_are_validated(kw):
 
     with pytest.raises(ConfigError):
         Prefetch(**kw)
+
+
+def test_on_a_slow_link_requests_shrink_so_the_window_holds_several():
+    # 100 ms at 4 MB/s, 20 KB samples: the BDP is 400 KB, 20 samples; requests of 32 (batch / 8)
+    # would put the whole window in one or two requests: bursts, then gaps
+    src = Recording("d", samples(600, 20_000), latency=0.1, rate=4e6)
+    with Loader(src, "d", batch_size=256, hedge=NO_HEDGE) as loader:
+        got = epochs(loader, 1)
+        link = loader._link
+    assert Counter(got) == Counter(range(600))
+    assert link.request_size <= 10, link.request_size  # 4 requests of it fit 2 x the BDP
+    assert link.target() >= Link.MIN_START - 1
