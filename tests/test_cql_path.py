@@ -1,0 +1,165 @@
+"""The CQL path's set-up and read path, against a real Cassandra (1.2 here: protocol v1).
+
+No timings: what is checked is what the driver sends before the first sample
+read (a hook on its send path counts the messages), what arrives (every id
+once, byte-exact) and what is left running after a close.
+``python -m dataferry.bench.cql_path`` prints the times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+from dataferry.bench._latency_proxy import LinkOptions, ProxyThread
+from dataferry.schema import ALL_SPLIT, DatasetInfo, Sample, StoreUnavailable, open_store, parse_store_url
+from dataferry.schema._cqlconnect import connect
+from server_kit import run, seed_url
+from test_cql_shutdown import _assert_quiet, _baseline
+
+pytestmark = pytest.mark.cassandra
+
+N = 120
+#: a Cassandra 4/5 given by DATAFERRY_TEST_CASSANDRA does not speak v1: negotiate there
+V1 = not os.environ.get("DATAFERRY_TEST_CASSANDRA")
+
+
+def _url(url: str, **options) -> str:
+    if V1:
+        options = {"protocol_version": 1, **options}
+    return url + ("?" + "&".join(f"{k}={v}" for k, v in options.items()) if options else "")
+
+
+@pytest.fixture(scope="module")
+def dataset(cassandra_url):
+    """``(url, name, data by id)``: N samples of about 100 KB (a frame each spans reads)."""
+    name = "cql_path"
+    rng = np.random.default_rng(7)
+    samples = [Sample(i, i % 3, rng.integers(0, 256, 100_000 + 37 * i, dtype=np.uint8).tobytes()) for i in range(N)]
+    seed_url(cassandra_url, name, samples)
+    return cassandra_url, name, {s.id: s.data for s in samples}
+
+
+@contextlib.contextmanager
+def sent_messages():
+    """Every message the driver sends while inside, in order."""
+    from cassandra.connection import Connection
+
+    sent: list = []
+    original = Connection.send_msg
+
+    def send_msg(self, msg, *args, **kwargs):
+        sent.append(msg)
+        return original(self, msg, *args, **kwargs)
+
+    Connection.send_msg = send_msg
+    try:
+        yield sent
+    finally:
+        Connection.send_msg = original
+
+
+def _is_sample_read(msg) -> bool:
+    """An EXECUTE binding (dataset, bigint id): the read of one sample."""
+    from cassandra.protocol import ExecuteMessage
+
+    params = getattr(msg, "query_params", None) or ()
+    return isinstance(msg, ExecuteMessage) and len(params) == 2 and len(params[1]) == 8
+
+
+def _prepared(messages) -> list[str]:
+    from cassandra.protocol import PrepareMessage
+
+    return [m.query for m in messages if isinstance(m, PrepareMessage)]
+
+
+def test_before_the_first_read_no_keyspace_listing_and_only_the_read_path_prepared(dataset):
+    url, name, data = dataset
+
+    async def go():
+        async with await open_store(_url(url), create=False) as store:
+            ids = (await store.read_split(name, ALL_SPLIT)).ids[:8]
+            return [r async for r in store.fetch(name, ids)]
+
+    with sent_messages() as sent:
+        got = run(go())
+    assert sorted(s.id for s in got) == list(range(8)) and all(s.data == data[s.id] for s in got)
+    first_read = next(i for i, m in enumerate(sent) if _is_sample_read(m))
+    setup = sent[:first_read]
+    queries = [getattr(m, "query", "") for m in setup]
+    assert not [q for q in queries if "keyspace_name from" in q.lower()], queries  # no listing of every keyspace
+    tables = sorted(q.split(" FROM ")[1].split()[0].split(".")[1] for q in _prepared(setup))
+    # the samples, the split's head and chunks, the dataset row: nothing for writes or metadata
+    assert tables == ["datasets", "samples", "split_chunks", "splits"], tables
+
+
+def test_other_statements_are_prepared_on_first_use_and_once(dataset):
+    url, name, _ = dataset
+    other = f"lazy_{uuid.uuid4().hex[:8]}"
+
+    async def go():
+        async with await open_store(_url(url), create=False) as store:
+            with sent_messages() as sent:
+                await store.get_dataset(name)  # prepared at open: no PREPARE
+                # three writers of the same new statement at once: one PREPARE
+                now = dt.datetime.now(dt.timezone.utc)
+                await asyncio.gather(*(store.put_dataset(DatasetInfo(other, ("a",), n, now)) for n in (1, 2, 3)))
+                back = await store.get_dataset(other)
+            return sent, back
+
+    sent, back = run(go())
+    prepared = _prepared(sent)
+    assert len(prepared) == 1 and prepared[0].startswith("INSERT INTO") and ".datasets " in prepared[0], prepared
+    assert back.name == other and back.num_samples in (1, 2, 3)
+
+
+def test_a_backlog_of_large_answers_arrives_once_and_byte_exact(dataset):
+    """All N answers at once (about 12 MB): frames span reads, reads hold several frames."""
+    url, name, data = dataset
+
+    async def go():
+        async with await open_store(_url(url, concurrency=512), create=False) as store:
+            return [r async for r in store.fetch(name, np.arange(N))]
+
+    got = run(go())
+    assert sorted(s.id for s in got) == list(range(N))
+    assert all(s.data == data[s.id] and s.label == s.id % 3 for s in got)
+
+
+@pytest.mark.skipif(not V1, reason="pools of several connections are protocol v1/v2 only")
+def test_a_store_closed_while_its_pool_grows_leaves_no_thread(dataset):
+    """A v1 pool opens with one connection and grows in the background; the driver adds a
+    connection it was opening when the pool shut down to the closed pool, open for good,
+    which kept its IO thread alive. Closed at once here, with the growth still opening."""
+    url, name, _ = dataset
+    host, _, port = url.split("//", 1)[1].split("/", 1)[0].rpartition(":")
+    with ProxyThread((host, int(port)), LinkOptions(delay=0.05)) as proxy:
+        target = f"cassandra://{proxy.address[0]}:{proxy.address[1]}/{url.rsplit('/', 1)[1]}"
+        before = _baseline()
+
+        async def go():
+            store = await open_store(_url(target, concurrency=700, request_timeout=2), create=False)
+            await store.close()  # 7 connections wanted, 1 open: the others are being opened
+
+        run(go())
+        _assert_quiet(before, "a store closed while its pool grew", settle=2.0)
+
+
+def test_a_keyspace_without_tables_says_how_to_add_them(cassandra_server):
+    host, port = cassandra_server
+    url = f"cassandra://{host}:{port}/dft_empty_{uuid.uuid4().hex[:8]}"
+    opts = parse_store_url(url)
+    cluster, session, _ = connect(opts)
+    try:
+        session.execute(f"CREATE KEYSPACE {opts.keyspace} WITH replication = "
+                        "{'class': 'SimpleStrategy', 'replication_factor': '1'}")
+    finally:
+        cluster.shutdown()
+    with pytest.raises(StoreUnavailable, match=f"dataferry schema apply --store {url}"):
+        run(open_store(url, create=False))
