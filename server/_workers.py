@@ -23,7 +23,8 @@ connection, the same app) on its own listening socket.
   (``PR_SET_PDEATHSIG``): a parent killed with SIGKILL takes them with it, so
   no orphan keeps serving the port.
 * **Shutdown.** SIGTERM or SIGINT to the parent is passed to every worker as
-  SIGTERM; each stops accepting, gives its in-flight responses ``--grace``
+  SIGTERM, and the parent closes its copies of the listening sockets (new
+  connections are refused from then on); each worker stops accepting, gives its in-flight responses ``--grace``
   seconds and closes its store; the parent exits 0 once all have exited 0.
 * **Metrics.** The workers write their counters, histograms and the
   in-flight gauge to files in a folder the parent creates and removes
@@ -127,6 +128,10 @@ def supervise(count: int, socks: list[socket.socket], serve: Callable[[socket.so
         workers[pid] = slot
 
     def stop_all() -> None:
+        nonlocal stopping
+        stopping = True
+        for sock in socks:  # the workers close theirs: new connections are refused, not queued
+            sock.close()
         for pid in workers:
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -139,7 +144,6 @@ def supervise(count: int, socks: list[socket.socket], serve: Callable[[socket.so
         while workers:
             info = signal.sigwaitinfo(_SIGNALS)
             if info.si_signo in (signal.SIGTERM, signal.SIGINT) and not stopping:
-                stopping = True
                 log.info("stopping %d workers (signal %d)", len(workers), info.si_signo)
                 stop_all()
             for pid, code in _reap():
@@ -152,7 +156,7 @@ def supervise(count: int, socks: list[socket.socket], serve: Callable[[socket.so
                     continue
                 if code == EXIT_NOT_STARTED:
                     log.error("worker %d could not start; stopping the server", pid)
-                    status = stopping = 1
+                    status = 1
                     stop_all()
                     continue
                 now = time.monotonic()
@@ -162,7 +166,7 @@ def supervise(count: int, socks: list[socket.socket], serve: Callable[[socket.so
                 if len(deaths) > MAX_RESTARTS:
                     log.error("worker %d %s: %d worker deaths within %g s; stopping the server", pid,
                               _describe(code), len(deaths), RESTART_WINDOW)
-                    status = stopping = 1
+                    status = 1
                     stop_all()
                     continue
                 log.warning("worker %d %s; starting another", pid, _describe(code))

@@ -1,0 +1,312 @@
+"""``dataferry serve --workers N``: the real command, its real processes.
+
+Workers share the port and all serve; /metrics from any worker sums them
+all; SIGTERM lets in-flight responses finish and the server exits 0 leaving
+no process behind; a worker that dies is restarted (a crash loop, or a worker
+that cannot start, stops the server with status 1); a parent killed with
+SIGKILL takes its workers with it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dataferry.schema._wire import HEADER
+from server_kit import make_samples, parse_metrics, seed_url
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or not os.path.isdir("/proc"), reason="forks; reads /proc")
+
+
+class Served:
+    """``python -m dataferry.server --workers N`` with its log in a file."""
+
+    def __init__(self, store_url: str, log: Path, *args: str) -> None:
+        self.log = log
+        with log.open("w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dataferry.server", "--store", store_url, "--port", "0", "--open-metrics",
+                 "--log-level", "INFO", *args],
+                stdout=subprocess.PIPE, stderr=err, text=True,
+                env={**os.environ, "PYTHONWARNINGS": "error", "TMPDIR": str(log.parent)},  # the metrics folder
+            )
+        line = self.proc.stdout.readline()
+        found = re.search(r"listening on http://([\d.]+):(\d+)", line)
+        assert found, line + log.read_text()
+        self.host, self.port = found.group(1), int(found.group(2))
+        self.seen: set[int] = set()  # every worker pid ever seen, for the orphan check
+
+    def workers(self, count: int, timeout: float = 20.0) -> list[int]:
+        """The worker pids, once there are ``count`` of them serving."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pids = [p for p in children(self.proc.pid) if alive(p)]
+            self.seen.update(pids)
+            if len(pids) == count and all(self.serving(p) for p in pids):
+                return pids
+            assert time.monotonic() < deadline, f"workers {pids}, log:\n{self.log.read_text()}"
+            time.sleep(0.05)
+
+    def serving(self, pid: int) -> bool:
+        return f"[{pid}]: opened store" in self.log.read_text()
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        """One request on a new connection: ``(status, body)``."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def metrics(self) -> dict[str, float]:
+        status, body = self.request("GET", "/metrics")
+        assert status == 200
+        return parse_metrics(body.decode())
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(30)
+        finally:
+            self.proc.stdout.close()
+
+    def kill_all(self) -> None:
+        """Teardown: nothing of this server survives the test."""
+        for pid in {*self.seen, *children(self.proc.pid)}:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if not self.proc.stdout.closed:
+            self.proc.stdout.close()
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(b")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return sorted(out)
+
+
+def alive(pid: int) -> bool:
+    """Running (not a zombie waiting for its parent)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat.rsplit(b")", 1)[1].split()[0] != b"Z"
+
+
+def wait_gone(pids, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"still running: {[p for p in pids if alive(p)]}"
+        time.sleep(0.05)
+
+
+def listening(host: str, port: int) -> bool:
+    """Whether anything accepts connections on ``host:port``."""
+    try:
+        sock = socket.create_connection((host, port), timeout=5)
+    except ConnectionRefusedError:
+        return False
+    with sock:
+        # with no listener, loopback can connect a socket to itself (its source port the same)
+        return sock.getsockname() != sock.getpeername()
+
+
+def fetch_body(ids) -> bytes:
+    return np.asarray(ids, dtype="<i8").tobytes()
+
+
+OCTETS = {"Content-Type": "application/octet-stream"}
+
+
+@pytest.fixture
+def store_url(tmp_path):
+    return seed_url(f"sqlite://{tmp_path / 's.db'}", "d", make_samples(40, size=3000))
+
+
+@pytest.fixture
+def served(store_url, tmp_path):
+    made: list[Served] = []
+
+    def start(*args: str) -> Served:
+        s = Served(store_url, tmp_path / f"server-{len(made)}.log", *args)
+        made.append(s)
+        return s
+
+    yield start
+    for s in made:
+        s.kill_all()
+
+
+def test_workers_share_the_port_and_metrics_sum_across_them(served, store_url):
+    s = served("--workers", "2")
+    pids = s.workers(2)
+    ids = [x.id for x in make_samples(40, size=3000)]
+    for k in range(24):  # a new connection each: the kernel spreads them over the workers' sockets
+        status, body = s.request("POST", "/v1/datasets/d/samples", fetch_body(ids[k % 4 :: 4]), OCTETS)
+        assert status == 200 and body[-HEADER.size + 3] == 3  # ends with an END record
+    log = s.log.read_text()
+    served_by = {int(p) for p in re.findall(r"aiohttp\.access\[(\d+)\]: .* \"POST /v1/datasets/d/samples", log)}
+    assert served_by == set(pids), (served_by, pids)  # both workers served, and only they
+    assert s.proc.pid not in served_by  # the parent accepts nothing
+
+    scrapes = [s.metrics() for _ in range(8)]  # new connections: both workers answer some
+    for m in scrapes:
+        assert m["dataferry_server_samples_served_total"] == 24 * 10
+        assert m['dataferry_server_requests_total{method="POST",route="/v1/datasets/{name}/samples",status="200"}'] == 24
+        assert m["dataferry_server_requests_in_flight"] == 1  # the scrape itself, in whichever worker
+        assert m["process_open_fds"] > 0 and m["process_resident_memory_bytes"] > 0
+        assert any(k.startswith("python_gc_collections_total") for k in m)
+    # the process figures cover the whole server: more than the parent alone
+    parent_rss = int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{s.proc.pid}/status").read_text()).group(1)) * 1024
+    assert scrapes[0]["process_resident_memory_bytes"] > 2 * parent_rss * 0.9
+    status, body = s.request("GET", "/healthz")
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+    assert s.stop() == 0
+
+
+def test_sigterm_lets_in_flight_responses_finish_then_exits_0_leaving_no_process(served, tmp_path):
+    big = make_samples(24, size=1 << 20, seed=3)
+    url = seed_url(f"sqlite://{tmp_path / 'big.db'}", "big", big)
+    s = Served(url, tmp_path / "big.log", "--workers", "2", "--grace", "20")
+    try:
+        pids = s.workers(2)
+        sock = socket.create_connection((s.host, s.port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        body = fetch_body([x.id for x in big])
+        sock.sendall(b"POST /v1/datasets/big/samples HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        first = sock.recv(1 << 16)
+        assert first.startswith(b"HTTP/1.1 200"), first[:100]
+        time.sleep(0.3)  # the response is in flight, the worker waits on this client's socket
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert s.proc.poll() is None  # still draining
+        assert not listening(s.host, s.port)  # no longer accepting
+        got = bytearray(first)
+        while chunk := sock.recv(1 << 20):
+            got += chunk
+            if got.endswith(b"\r\n0\r\n\r\n"):
+                break
+        sock.close()
+        assert s.proc.wait(30) == 0, s.log.read_text()
+        s.proc.stdout.close()
+        samples = _records(bytes(got))
+        assert sorted(samples) == sorted(x.id for x in big)  # every sample, then END
+        wait_gone([s.proc.pid, *pids])
+        assert not list(Path(tmp_path).glob("dataferry-metrics-*"))
+    finally:
+        s.kill_all()
+
+
+def _records(raw: bytes) -> list[int]:
+    """The SAMPLE ids of a chunked batch response; asserts it ends with END."""
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    body = bytearray()
+    while True:
+        line, _, rest = rest.partition(b"\r\n")
+        n = int(line, 16)
+        if n == 0:
+            break
+        body += rest[:n]
+        rest = rest[n + 2 :]
+    ids, pos = [], 0
+    while True:
+        _, _, kind, _, id_, _, tlen, dlen = HEADER.unpack_from(body, pos)
+        pos += HEADER.size + tlen + dlen
+        if kind == 3:
+            assert pos == len(body)
+            return ids
+        assert kind == 0
+        ids.append(id_)
+
+
+def test_a_killed_worker_is_restarted_and_its_counts_kept(served):
+    s = served("--workers", "2")
+    pids = s.workers(2)
+    ids = [x.id for x in make_samples(40, size=3000)]
+    for _ in range(6):
+        assert s.request("POST", "/v1/datasets/d/samples", fetch_body(ids[:5]), OCTETS)[0] == 200
+    before = s.metrics()["dataferry_server_samples_served_total"]
+    assert before == 30
+    os.kill(pids[0], signal.SIGKILL)
+    now = s.workers(2)
+    assert pids[0] not in now and pids[1] in now
+    assert f"worker {pids[0]} was killed by SIGKILL; starting another" in s.log.read_text()
+    for _ in range(12):  # every new connection is served, the replaced worker's socket included
+        assert s.request("POST", "/v1/datasets/d/samples", fetch_body(ids[:5]), OCTETS)[0] == 200
+    assert s.metrics()["dataferry_server_samples_served_total"] == 30 + 60  # the dead worker's 30 kept
+    assert s.stop() == 0
+
+
+def test_a_crash_loop_stops_the_server_with_status_1(served):
+    s = served("--workers", "2")
+    for _ in range(6):  # MAX_RESTARTS deaths are restarted; one more within the window stops the server
+        os.kill(s.workers(2)[0], signal.SIGKILL)
+        time.sleep(0.05)
+    assert s.proc.wait(30) == 1
+    assert "worker deaths within 60 s; stopping the server" in s.log.read_text()
+    wait_gone(s.seen)
+
+
+def test_a_worker_that_cannot_start_stops_the_server_with_status_1(tmp_path):
+    s = Served(f"sqlite://{tmp_path / 'missing.db'}", tmp_path / "log", "--workers", "2")
+    try:
+        assert s.proc.wait(30) == 1
+        s.seen.update(children(s.proc.pid))
+        log = s.log.read_text()
+        assert "could not start; stopping the server" in log and "does not exist" in log
+        wait_gone(s.seen)
+    finally:
+        s.kill_all()
+
+
+def test_a_parent_killed_with_sigkill_takes_its_workers_with_it(served):
+    s = served("--workers", "2")
+    pids = s.workers(2)
+    s.proc.kill()
+    s.proc.wait()
+    wait_gone(pids)  # no orphan keeps the port
+    assert not listening(s.host, s.port)
+
+
+def test_workers_must_be_at_least_one():
+    out = subprocess.run([sys.executable, "-m", "dataferry.server", "--port", "0", "--workers", "0"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "--workers must be >= 1, not 0" in out.stderr
+
+
+def test_a_port_in_use_fails_as_with_one_worker(served):
+    s = served("--workers", "2")
+    s.workers(2)
+    out = subprocess.run([sys.executable, "-m", "dataferry.server", "--port", str(s.port), "--workers", "2",
+                          "--store", "sqlite:///nonexistent/x.db"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "cannot listen on" in out.stderr, out.stderr
+    assert s.stop() == 0
+
