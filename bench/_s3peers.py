@@ -185,7 +185,7 @@ def _write_litdata(store_url: str, dataset: str, folder: str, chunk_bytes: int, 
     staging = {"DATA_OPTIMIZER_CACHE_FOLDER": folder + ".chunks", "DATA_OPTIMIZER_DATA_CACHE_FOLDER": folder + ".data"}
     with _environ(staging):
         optimize(functools.partial(_litdata_item, store_url=store_url, dataset=dataset), inputs, output_dir=folder,
-                 chunk_bytes=chunk_bytes, num_workers=1, mode="overwrite", verbose=False)
+                 chunk_bytes=chunk_bytes, num_workers=1, mode="overwrite", start_method="fork", verbose=False)
     return sum(name.endswith(".bin") for name in os.listdir(folder))
 
 
