@@ -40,6 +40,7 @@ __all__ = [
     "DEFAULT_MAX_PIXELS",
     "LOSSLESS",
     "encode_image",
+    "prepare_image",
 ]
 
 #: Pillow's own default limit (about 89.5 Mpx), pinned so it does not depend
@@ -230,15 +231,23 @@ def _to_storable(im: Image.Image, fmt: str) -> Image.Image:
     return im
 
 
+def prepare_image(im: Image.Image, format: str, max_side: int | None = None) -> Image.Image:
+    """The pixels ingest encodes when it re-encodes ``im`` as ``format``: EXIF
+    orientation applied, converted to a mode ``format`` holds, downscaled
+    (Lanczos, keeping aspect) so no side exceeds ``max_side``."""
+    fmt = _FORMATS[format]
+    out = _to_storable(ImageOps.exif_transpose(im), fmt)
+    if max_side is not None and max(out.size) > max_side:
+        scale = max_side / max(out.size)
+        size = (max(1, round(out.width * scale)), max(1, round(out.height * scale)))
+        out = out.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
+    return out
+
+
 def _reencode(im: Image.Image, options: ValidateOptions) -> tuple[bytes, str, int, int]:
     fmt = _FORMATS[options.format or "jpeg"]
     mode_in = im.mode
-    out = ImageOps.exif_transpose(im)
-    out = _to_storable(out, fmt)
-    if options.max_side is not None and max(out.size) > options.max_side:
-        scale = options.max_side / max(out.size)
-        size = (max(1, round(out.width * scale)), max(1, round(out.height * scale)))
-        out = out.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
+    out = prepare_image(im, options.format or "jpeg", options.max_side)
     buf = io.BytesIO()
     params = _save_params(fmt, out.mode, options.quality)
     icc = im.info.get("icc_profile")
