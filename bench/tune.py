@@ -1,6 +1,6 @@
 """Defaults against the self-tuning loader against a hand-tuned grid, on two links.
 
-``python -m dataferry.bench.tune [--seconds 3] [--runs 3] [--images 2048] [--size 110000] [--links fast,slow]``
+``python -m dataferry.bench.tune [--seconds 3] [--runs 3] [--images 65536] [--size 110000] [--links fast,slow]``
 
 The links (``--links``):
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dataferry.bench.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=3.0, help="per run on the fast link (x4 on the slow one)")
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--images", type=int, default=2048)
+    p.add_argument("--images", type=int, default=65536)
     p.add_argument("--size", type=int, default=110_000, help="bytes per sample")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--links", default="fast,slow")

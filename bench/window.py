@@ -1,6 +1,6 @@
 """The engine's window against the link, without sockets.
 
-``python -m dataferry.bench.window [--latencies 0,100,200] [--images 4096] [--size 110000]
+``python -m dataferry.bench.window [--latencies 0,100,200] [--images 65536] [--size 110000]
 [--seconds 6] [--runs 3] [--rate MBIT] [--max-bytes N] [--request-size N] [--max-inflight N] [--no-tune]``
 
 The real engine (:class:`~dataferry.client.Loader`) reads a
@@ -12,9 +12,9 @@ sockets, no server. Per latency, medians of ``--runs``:
 * ``samples/s``: all samples over the whole run, from creating the Loader to
   the last batch (the first epoch's ramp included); ``ratio``: that over the
   0 ms row (or the first row);
-* ``steady/s``: samples after the first epoch over their time;
+* ``steady/s``: samples over the second half of the run, over its time;
 * ``first batch``: seconds from creating the Loader to the first batch;
-* ``epoch 0``: seconds to the end of the first epoch;
+* ``epoch 0``: seconds to the end of the first epoch (the run's end if it ends first);
 * ``us/sample``: this process's CPU per sample delivered;
 * ``window``: requests allowed in flight at the end, and ``ids/req`` the
   request size then; then the window over time of the median run (requests,
@@ -66,10 +66,18 @@ class WindowRun:
 
 
 def make_source(images: int, size: int, latency: float, rate_mbit: float | None):
+    """``images`` samples of ``size`` random bytes, sharing at most 1,024 distinct payloads
+    (a large dataset without its memory)."""
+    import numpy as np
+
     from dataferry.client import MemorySource
+    from dataferry.schema import Sample
 
     rate = rate_mbit * 1e6 / 8 if rate_mbit else None
-    return MemorySource.synthetic("bench", images, size=size, latency=latency, rate=rate)
+    rng = np.random.default_rng(0)
+    blobs = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(min(images, 1024))]
+    samples = (Sample(i, i % 10, blobs[i % len(blobs)]) for i in range(images))
+    return MemorySource("bench", samples, latency=latency, rate=rate)
 
 
 def run_once(source, prefetch, *, seconds: float, batch_size: int = 256, max_samples: int | None = None) -> WindowRun:
@@ -90,8 +98,11 @@ def run_once(source, prefetch, *, seconds: float, batch_size: int = 256, max_sam
                 if first_batch is None:
                     first_batch = now
                 samples += len(batch)
-                if epoch0 is not None:
-                    steady += len(batch)
+                if now >= seconds / 2:
+                    if steady_t0 is None:
+                        steady_t0 = now
+                    else:
+                        steady += len(batch)
                 if now >= next_trace:
                     trace.append((now, loader.stats().window))
                     next_trace *= 2
@@ -99,7 +110,7 @@ def run_once(source, prefetch, *, seconds: float, batch_size: int = 256, max_sam
                     done = True
                     break
             if epoch0 is None:
-                epoch0 = steady_t0 = time.perf_counter() - t0
+                epoch0 = time.perf_counter() - t0
         end = time.perf_counter() - t0
         window = loader.stats().window
         request_size = getattr(loader._link, "request_size", None) or loader.prefetch.request_size or 32
@@ -133,7 +144,7 @@ def prefetch_from(args):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dataferry.bench.window", description=__doc__.split("\n\n")[0])
     p.add_argument("--latencies", default="0,100,200", help="ms per request, comma-separated")
-    p.add_argument("--images", type=int, default=4096)
+    p.add_argument("--images", type=int, default=65536, help="samples per epoch (an epoch must outlast the window)")
     p.add_argument("--size", type=int, default=110_000, help="bytes per sample")
     p.add_argument("--seconds", type=float, default=6.0, help="per run")
     p.add_argument("--runs", type=int, default=3)

@@ -155,9 +155,9 @@ class _RequestSizer:
     at that size ``n`` (``c + o/n``) and at ``2n`` (``c + o/2n``), which gives
     both costs. If ``2n`` saved less than ``SAVING`` the size goes back to
     ``n``; else it is the smallest power-of-two multiple of ``n`` past which a
-    doubling would save less than ``SAVING``, within what the byte budget
-    allows (16 requests in ``max_bytes``, 1024 ids at most). Decided once per
-    loader.
+    doubling would save less than ``SAVING``, within ``Link._size_cap`` (16
+    requests in ``max_bytes``, 16 MiB a request, 1024 ids). Decided once per
+    loader (a slow link may still cut it: ``Link._fit_size``).
     """
 
     SAVING = 0.05
@@ -260,6 +260,8 @@ class Link:
     MIN_LATENCY_S, PROBE_RISE = 10.0, 1.25
     #: a probe ends after this many answers of requests sent with at most MIN_WINDOW in flight
     PROBE_SAMPLES = 2
+    #: the largest request the tuner makes, in bytes
+    REQUEST_BYTES = 16 << 20
     #: the smallest tuned window, and the smallest start (and the fewest requests a link-bound
     #: window is cut into)
     MIN_WINDOW, MIN_START = 2, 4
@@ -325,8 +327,10 @@ class Link:
         self._log("start", f"window starts at {self.window:g} requests of {self.request_size} ids")
 
     def _size_cap(self) -> int:
-        """The most ids per request the tuner may choose: 16 requests fit in ``max_bytes``; 1024."""
-        return min(1024, int(self.prefetch.max_bytes / (16 * self.mean_bytes)))
+        """The most ids per request the tuner may choose: 16 requests fit in ``max_bytes``, one
+        is at most ``REQUEST_BYTES`` (a retry, a hedge, a timeout stay small); 1024."""
+        most = min(self.prefetch.max_bytes / 16, self.REQUEST_BYTES)
+        return max(1, min(1024, int(most / self.mean_bytes)))
 
     def _cap(self) -> float:
         """The most requests the options allow: ``max_inflight`` and, tuned, the byte budget."""
