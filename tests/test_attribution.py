@@ -205,7 +205,8 @@ def test_a_slow_consumer_is_named_consumer(path):
 
         from test_torch_path import jpeg_samples
 
-        src = MemorySource("d", jpeg_samples(400))
+        small = jpeg_samples(100)  # 2000 samples: no epoch boundary (where the decode queue refills) in the run
+        src = MemorySource("d", [Sample(i, i % 5, small[i % 100].data) for i in range(2000)])
     else:
         src = synthetic(latency=0.01)
     with Loader(src, "d", batch_size=16, log_interval=INTERVAL) as loader:
