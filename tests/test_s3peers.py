@@ -25,6 +25,11 @@ from dataferry.bench._s3peers import (  # noqa: E402
 IMAGES = 240
 RUNNABLE = tuple(p for p in PEERS if available(p) is None)
 FACTORIES = {"mosaic": mosaic, "litdata": litdata}
+# Streaming 0.10 reads each index.json with json.load(open(...)) (streaming/base/stream.py) and leaves
+# the file to the garbage collector: that one leak of theirs is let through, nothing else
+_MOSAIC_LEAK = pytest.mark.filterwarnings(
+    r"ignore:Exception ignored in. <_io.FileIO name='[^']*/index.json':pytest.PytestUnraisableExceptionWarning")
+PEER_PARAMS = [pytest.param("mosaic", marks=_MOSAIC_LEAK), "litdata"]
 
 
 def _need(peer: str) -> None:
@@ -51,7 +56,7 @@ def _endpoint(datasets) -> str:
     return f"http://{host}:{port}"
 
 
-@pytest.mark.parametrize("peer", list(PEERS))
+@pytest.mark.parametrize("peer", PEER_PARAMS)
 def test_one_epoch_delivers_every_sample_once_byte_equal(peer, s3):
     _need(peer)
     want, datasets = s3
@@ -65,7 +70,7 @@ def test_one_epoch_delivers_every_sample_once_byte_equal(peer, s3):
         assert (data, label) == want[i], f"sample {i} differs from the store"
 
 
-@pytest.mark.parametrize("peer", list(PEERS))
+@pytest.mark.parametrize("peer", PEER_PARAMS)
 def test_factory_runs_epochs_back_to_back_until_closed_and_cleans_its_cache(peer, s3, tmp_path, monkeypatch, capfd):
     _need(peer)
     want, datasets = s3
@@ -74,7 +79,7 @@ def test_factory_runs_epochs_back_to_back_until_closed_and_cleans_its_cache(peer
     totals = []  # (samples, bytes) after each batch
     for n, b in it:
         if not totals:
-            assert [p.name for p in tmp_path.iterdir() if "cache" in p.name], "no fresh cache folder"
+            assert [p.name for p in tmp_path.iterdir() if p.name.startswith("dataferry-")], "no fresh cache folder"
         samples, nbytes = totals[-1] if totals else (0, 0)
         totals.append((samples + n, nbytes + b))
         if totals[-1][0] > IMAGES + 64:  # well into the second epoch
@@ -83,7 +88,7 @@ def test_factory_runs_epochs_back_to_back_until_closed_and_cleans_its_cache(peer
     assert (IMAGES, sum(len(data) for data, _ in want.values())) in totals
     it.close()
     assert next(it, None) is None
-    assert not [p.name for p in tmp_path.iterdir() if "cache" in p.name], "cache folder left behind"
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("dataferry-")], "cache folder left behind"
     out, err = capfd.readouterr()
     assert _KEY not in out + err
 
