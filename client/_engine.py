@@ -289,6 +289,8 @@ class Link:
         self._rates: deque[tuple[float, float]] = deque()  # (when, rate), rates decreasing
         self._marks: deque[tuple[float, int]] = deque()  # (when, delivered) over the last round trip
         self._mins: deque[tuple[float, float]] = deque()  # (when, latency), latencies increasing
+        self._firsts: deque[tuple[float, float]] = deque()  # the same for first answers
+        self.min_first: float | None = None  # the lowest latency to a first answer: the link's round trip
         self.filled = False  # the delivery rate stopped growing: the pipe is full
         self.probing = False  # holding MIN_WINDOW requests to see the round trip without our queue
         self._probe_saved, self._probe_lats = 0.0, []
@@ -401,21 +403,28 @@ class Link:
                     self.filled = True
                     self._log("filled", f"delivery rate levelled off at {self.bandwidth / 1e6:,.1f} MB/s: "
                                         f"window towards {self._why(self.target())}")
+                    # a request alone takes the round trip plus its transfer; far more than that from
+                    # the start means the start-up window left a queue (BBR drains it)
+                    alone = (self.min_first or 0.0) + self.request_size * self.mean_bytes / self.bandwidth
+                    if self.min_latency > self.PROBE_RISE * 1.2 * alone:
+                        self._start_probe(f"requests take {self.min_latency * 1e3:.0f} ms, one alone "
+                                          f"{alone * 1e3:.0f}: a queue from the start")
 
     def _fit_size(self) -> None:
         """A link-bound loader (its thread mostly idle) whose window holds fewer than
         ``MIN_START`` requests: smaller requests, so the window is not one request in a
         round trip (on a slow link a large request is a burst, then a gap)."""
+        rtt = self.min_first
         if (self.sizer is None or self.busy is None or self.busy > self.LINK_BOUND or self.request_size <= 1
-                or self.min_latency < self.LINK_RTT_S):
+                or rtt is None or rtt < self.LINK_RTT_S):
             return
-        fits = self.GAIN * self.bandwidth * self.min_latency / (self.MIN_START * self.mean_bytes)
+        fits = self.GAIN * self.bandwidth * rtt / (self.MIN_START * self.mean_bytes)
         size = self.request_size
         while size > 1 and size > fits:
             size //= 2
         if size < self.request_size:
             self.sizer.done = True
-            self._resize(size, f"the link carries {self.bandwidth / 1e6:,.1f} MB/s x {self.min_latency * 1e3:.0f} ms "
+            self._resize(size, f"the link carries {self.bandwidth / 1e6:,.1f} MB/s x {rtt * 1e3:.0f} ms "
                                f"and this thread was {self.busy:.0%} busy: {self.MIN_START} requests of {size} ids "
                                f"fit {self.GAIN:g} x that")
 
@@ -438,7 +447,7 @@ class Link:
         self.probing = False
         was = self.min_latency
         self._mins.clear()
-        self.min_latency = self._windowed_min(min(self._probe_lats))
+        self.min_latency = self._windowed_min(self._mins, min(self._probe_lats))
         self.window = max(float(self.MIN_WINDOW), min(self._probe_saved, self.target()))
         self._log("probed", f"round trip {self.min_latency * 1e3:.1f} ms (was {(was or 0) * 1e3:.1f}): "
                             f"window {self.window:.0f}, towards {self._why(self.target())}")
@@ -451,9 +460,11 @@ class Link:
         """A request of ``size`` ids came back whole after ``latency`` seconds (its first
         answer after ``first``), sent with ``sent_with`` requests in flight: size the window.
 
-        Tuned, queueing and the round trip are judged on ``first``: a request's
-        own transfer time is not queueing, and over a slow link a large
-        request's latency is mostly that.
+        Tuned, the window's round trip is the lowest whole latency (what a
+        request occupies its slot for: Little's law), and the link's is the
+        lowest ``first`` (``min_first``: a request's own transfer time is not
+        the link's round trip; over a slow link a large request's latency is
+        mostly that).
 
         It grows by one per answer (doubling per round trip) up to
         :meth:`target` until answers start to queue: ``window * (1 -
@@ -472,12 +483,12 @@ class Link:
             return  # a short request (a retry, a hedge, an epoch's tail) says little about queueing
         self.latencies.append(latency)  # the hedge's quantile: whole requests
         if self.tuned:
-            latency = latency if first is None else first
             if self.probing:
                 if self._probed(latency, sent_with):
                     return
             else:
-                self.min_latency = self._windowed_min(latency)
+                self.min_latency = self._windowed_min(self._mins, latency, probe=True)
+                self.min_first = self._windowed_min(self._firsts, latency if first is None else first)
                 if self.probing:
                     return
         else:
@@ -502,10 +513,10 @@ class Link:
             self.window = min(target, self.window + 1.0)
             self._note("growing", f"window up to {self.window:.0f}, towards {self._why(target)}")
 
-    def _windowed_min(self, latency: float) -> float:
-        """The lowest latency of the last ``MIN_LATENCY_S`` seconds."""
+    def _windowed_min(self, mins: deque[tuple[float, float]], latency: float, probe: bool = False) -> float:
+        """The lowest latency in ``mins`` over the last ``MIN_LATENCY_S`` seconds (with
+        ``probe``, a probe starts when the lowest expires and the next is higher)."""
         now = time.monotonic()
-        mins = self._mins
         while mins and mins[-1][1] >= latency:
             mins.pop()
         mins.append((now, latency))
@@ -514,7 +525,7 @@ class Link:
             return old
         while mins[0][0] < now - self.MIN_LATENCY_S:
             mins.popleft()
-        if mins[0][1] > self.PROBE_RISE * old:
+        if probe and mins[0][1] > self.PROBE_RISE * old:
             self._start_probe(f"latency has been above {old * 1e3:.1f} ms for {self.MIN_LATENCY_S:g} s")
         return mins[0][1]
 
@@ -532,10 +543,14 @@ class Link:
 
     def _resize(self, size: int, why: str) -> None:
         if size != self.request_size:
-            # keep the bytes in flight. The lowest latency stays: measured while the window was
-            # small, it is the round trip without our own queueing (a larger request only adds
-            # its transfer time, so the BDP errs low, on the side of less memory)
+            # keep the bytes in flight; the lowest latency keeps its round trip, measured while the
+            # window was small (a fresh one, measured at a large window, would include our own queue)
             self.window = max(1.0, self.window * self.request_size / size)
+            if self.min_latency is not None and self.min_first is not None:
+                # the transfer part of the lowest latency scales with the size
+                scaled = self.min_first + max(0.0, self.min_latency - self.min_first) * size / self.request_size
+                self._mins.clear()
+                self.min_latency = self._windowed_min(self._mins, scaled)
             self.request_size = size
             self.latencies.clear()  # the hedge's quantile: of this size
         tune_log.info("request size %d: %s", size, why)
