@@ -124,6 +124,7 @@ class Connection(asyncio.BufferedProtocol):
         self._pause_above = 1 << 62
         self._activity = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        self.on_lost = None  # called with this connection once it is gone
 
     # --- asyncio's side ------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -131,6 +132,8 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
+        if self.on_lost is not None:
+            self.on_lost(self)
         if self._phase == _BODY and self._mode == _TO_CLOSE and exc is None:
             self._body_done()
         elif self._phase != _IDLE and self.error is None:
@@ -398,6 +401,7 @@ class Pool:
         self._connect_timeout, self._read_timeout, self._keepalive = connect_timeout, read_timeout, keepalive
         self._slots = asyncio.Semaphore(connections)
         self._idle: list[Connection] = []
+        self._open: set[Connection] = set()  # idle or in use: all are closed with the pool
 
     @asynccontextmanager
     async def exchange(self, request: bytes, expect: str, on_200, *, pause_above: int = 1 << 62
@@ -457,13 +461,16 @@ class Pool:
             raise TimeoutError(f"no connection within {self._connect_timeout:g} s") from None
         except OSError as exc:  # refused, unreachable, DNS, TLS handshake or verification
             raise Unreachable(exc) from exc
+        self._open.add(conn)
+        conn.on_lost = self._open.discard
         return conn
 
     def close(self) -> None:
-        """Close the idle connections (those in use close when their exchange ends)."""
-        idle, self._idle = self._idle, []
-        for conn in idle:
+        """Close every connection, idle or in use (an exchange still reading fails)."""
+        self._idle = []
+        for conn in list(self._open):
             conn.close()
+        self._open.clear()
 
 
 async def read_body(conn: Connection) -> bytes:
