@@ -209,7 +209,7 @@ class Advice:
     num_images: int  # in the full dataset
     sample: tuple[str, ...]  # the measured images (relative paths), in sample order
     rejected: tuple[tuple[str, str], ...]  # (path, reason) of sampled images ingest would reject
-    formats: tuple[tuple[str, int], ...]  # source format -> sampled images, most common first
+    formats: tuple[tuple[str, int], ...]  # source format -> measured images, most common first
     kind: str  # "lossless" | "lossy" | "mixed"
     cores: int
     gpu: str | None  # the GPU measured, or None
@@ -382,7 +382,8 @@ def measure(jobs: Sequence[tuple[str, str | None, bytes | None]], *, source: str
         cells = [r.cells[k] for r in valid]
         gpu_rate = dali_decode_rate([c.blob for c in cells], device="gpu") if gpu is not None else None
         rows.append(_aggregate(s, valid, cells, cores, gpu_rate))
-    formats = Counter(fmt for fmt, _ in sniffed)
+    measured = {r.name for r in valid}
+    formats = Counter(fmt for (name, _, _), (fmt, _) in zip(jobs, sniffed) if name in measured)
     return Advice(source, num_images, tuple(r.name for r in valid), rejected, tuple(formats.most_common()), kind,
                   cores, gpu, options.seed, tuple(rows))
 
