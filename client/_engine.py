@@ -9,10 +9,12 @@ Data flow (everything runs on one event loop)::
 
 * A request carries ``request_size`` positions. Results are handled as they
   arrive, not when the request ends, so batches fill in completion order.
-* The window of requests in flight starts small and grows by one per
-  completed request, halves on a failed one; it is capped by
-  ``Prefetch.max_inflight`` and by the byte budget (bytes reserved for
-  requests in flight + bytes ready and not yet taken by the consumer).
+* The window of requests in flight (:class:`Link`) is sized by the link:
+  2 x the learned bandwidth-delay product (BBR-like), starting with the
+  first batch's worth and doubling per round trip; it halves on a failed
+  request, and is capped by ``Prefetch.max_inflight`` and by the byte budget
+  (bytes reserved for requests in flight + bytes ready and not yet taken by
+  the consumer). The request size is tuned too (:class:`_RequestSizer`).
 * Exactly once: a position is completed at most once (:class:`DoneSet`);
   late duplicates from hedges or retries are dropped and counted.
 * Epochs run back to back: once the current epoch has nothing new to send,
@@ -156,7 +158,8 @@ class _RequestSizer:
     both costs. If ``2n`` saved less than ``SAVING`` the size goes back to
     ``n``; else it is the smallest power-of-two multiple of ``n`` past which a
     doubling would save less than ``SAVING``, within ``Link._size_cap`` (16
-    requests in ``max_bytes``, 16 MiB a request, 1024 ids). Decided once per
+    requests in ``max_bytes``, 16 MiB a request or 6 MiB over a long round trip,
+    1024 ids). Decided once per
     loader (a slow link may still cut it: ``Link._fit_size``).
     """
 
@@ -260,8 +263,9 @@ class Link:
     MIN_LATENCY_S, PROBE_RISE = 10.0, 1.25
     #: a probe ends after this many answers of requests sent with at most MIN_WINDOW in flight
     PROBE_SAMPLES = 2
-    #: the largest request the tuner makes, in bytes
-    REQUEST_BYTES = 16 << 20
+    #: the largest request the tuner makes, in bytes; over a long round trip, what one TCP
+    #: connection carries in one (Linux's default tcp_rmem ceiling, 6 MiB: deploy/TRAINING.md)
+    REQUEST_BYTES, WAN_REQUEST_BYTES = 16 << 20, 6 << 20
     #: the smallest tuned window, and the smallest start (and the fewest requests a link-bound
     #: window is cut into)
     MIN_WINDOW, MIN_START = 2, 4
@@ -330,8 +334,10 @@ class Link:
 
     def _size_cap(self) -> int:
         """The most ids per request the tuner may choose: 16 requests fit in ``max_bytes``, one
-        is at most ``REQUEST_BYTES`` (a retry, a hedge, a timeout stay small); 1024."""
-        most = min(self.prefetch.max_bytes / 16, self.REQUEST_BYTES)
+        is at most ``REQUEST_BYTES`` (a retry, a hedge, a timeout stay small), or ``WAN_REQUEST_BYTES``
+        over a round trip of ``LINK_RTT_S`` or more; 1024."""
+        wan = self.min_first is not None and self.min_first >= self.LINK_RTT_S
+        most = min(self.prefetch.max_bytes / 16, self.WAN_REQUEST_BYTES if wan else self.REQUEST_BYTES)
         return max(1, min(1024, int(most / self.mean_bytes)))
 
     def _cap(self) -> float:
