@@ -14,7 +14,10 @@ strategy's :class:`~._validate.ValidateOptions`) and measures, per strategy:
   (``client._hardware.usable_cores``): images/s when every core decodes;
 * **GPU decode** rate, when DALI sees a GPU and torch has CUDA: DALI's
   ``mixed`` decoder over the encoded sample in batches of 32, images per
-  second of wall time (:func:`dali_decode_rate`); None otherwise;
+  second of wall time (:func:`dali_decode_rate`); None otherwise
+  (``AdviseOptions(dali="cpu")`` runs the same pipeline on DALI's CPU
+  decoder); bytes DALI cannot decode (GIF) leave the row's rate None with
+  the reason in ``gpu_error``;
 * **fidelity**: PSNR in dB over the sample's pooled RGB values against the
   source's pixels as ingest prepares them (:func:`~._validate.prepare_image`:
   EXIF orientation applied; for a resized strategy the source resized the
@@ -113,9 +116,11 @@ def candidates(kind: str, qualities: Sequence[int] = (95, 90, 80), sides: Sequen
 class AdviseOptions:
     """What to measure: ``sample`` images chosen with ``seed``; JPEG at
     ``qualities``; JPEG at ``resize_quality`` resized to ``sides``. ``workers``:
-    measuring processes (default: the usable cores). ``gpu``: None measures
-    DALI's mixed path when a GPU is present, False never. ``progress``: a tqdm
-    bar on stderr (None: when stderr is a terminal)."""
+    measuring processes (default: the usable cores). ``dali``: the DALI decode
+    column: None measures DALI's ``mixed`` path when a GPU is present,
+    ``"gpu"`` insists on it, ``"cpu"`` measures DALI's CPU decoder instead (the
+    same pipeline, for machines without a GPU), ``"off"`` never. ``progress``:
+    a tqdm bar on stderr (None: when stderr is a terminal)."""
 
     sample: int = 200
     seed: int = 0
@@ -123,7 +128,7 @@ class AdviseOptions:
     sides: tuple[int, ...] = (512, 384, 256)
     resize_quality: int = 90
     workers: int | None = None
-    gpu: bool | None = None
+    dali: str | None = None
     max_pixels: int = DEFAULT_MAX_PIXELS
     progress: bool | None = None
 
@@ -138,6 +143,8 @@ class AdviseOptions:
                 raise ConfigError(f"a maximum side must be positive, got {s}")
         if self.workers is not None and self.workers < 1:
             raise ConfigError(f"workers must be at least 1, got {self.workers}")
+        if self.dali not in (None, "gpu", "cpu", "off"):
+            raise ConfigError(f"dali must be None, 'gpu', 'cpu' or 'off', not {self.dali!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +197,7 @@ class Measurement:
     resized: int  # sampled images whose size changed
     long_in: float  # mean long side of the source
     long_out: float  # mean long side as stored
+    gpu_error: str | None = None  # why DALI could not decode these bytes (gpu_rate is None then)
 
     @property
     def decode_rate(self) -> float:
@@ -212,7 +220,7 @@ class Advice:
     formats: tuple[tuple[str, int], ...]  # source format -> measured images, most common first
     kind: str  # "lossless" | "lossy" | "mixed"
     cores: int
-    gpu: str | None  # the GPU measured, or None
+    dali: str | None  # what the DALI column measured ("NVIDIA H100 ..., mixed", "CPU"), or None
     seed: int
     rows: tuple[Measurement, ...]
 
@@ -369,9 +377,9 @@ def measure(jobs: Sequence[tuple[str, str | None, bytes | None]], *, source: str
     lossless = [ok for fmt, ok in sniffed if fmt != "?"]
     kind = "lossless" if lossless and all(lossless) else "lossy" if not any(lossless) else "mixed"
     strategies = candidates(kind, options.qualities, options.sides, options.resize_quality)
-    gpu = _gpu_name() if options.gpu is not False else None
+    dali = _dali_device(options.dali)
     cores = usable_cores()
-    results = _run_jobs(jobs, strategies, options, keep=gpu is not None)
+    results = _run_jobs(jobs, strategies, options, keep=dali is not None)
     valid = [r for r in results if isinstance(r, _ImageResult)]
     rejected = tuple((r.path, r.reason) for r in results if isinstance(r, InvalidImage))
     if not valid:
@@ -380,12 +388,17 @@ def measure(jobs: Sequence[tuple[str, str | None, bytes | None]], *, source: str
     rows = []
     for k, s in enumerate(strategies):
         cells = [r.cells[k] for r in valid]
-        gpu_rate = dali_decode_rate([c.blob for c in cells], device="gpu") if gpu is not None else None
-        rows.append(_aggregate(s, valid, cells, cores, gpu_rate))
+        gpu_rate, gpu_error = None, None
+        if dali is not None:
+            try:
+                gpu_rate = dali_decode_rate([c.blob for c in cells], device=dali[0])
+            except Exception as exc:  # noqa: BLE001 - a format DALI does not decode (GIF): the row says so
+                gpu_error = _first_line(exc)
+        rows.append(replace(_aggregate(s, valid, cells, cores, gpu_rate), gpu_error=gpu_error))
     measured = {r.name for r in valid}
     formats = Counter(fmt for (name, _, _), (fmt, _) in zip(jobs, sniffed) if name in measured)
     return Advice(source, num_images, tuple(r.name for r in valid), rejected, tuple(formats.most_common()), kind,
-                  cores, gpu, options.seed, tuple(rows))
+                  cores, dali[1] if dali else None, options.seed, tuple(rows))
 
 
 def _aggregate(s: Strategy, valid: Sequence[_ImageResult], cells: Sequence[_Cell], cores: int,
@@ -435,6 +448,18 @@ def _run_jobs(jobs, strategies, options: AdviseOptions, keep: bool) -> list[_Ima
         bar.close()
 
 
+def _dali_device(choice: str | None) -> tuple[str, str] | None:
+    """``(device, description)`` for the DALI column, or None for no column (see :class:`AdviseOptions`)."""
+    if choice == "off":
+        return None
+    if choice == "cpu":
+        return "cpu", "DALI's CPU decoder"
+    name = _gpu_name()
+    if name is None and choice == "gpu":
+        raise ConfigError("no GPU for DALI's mixed decoder (DALI sees no CUDA device, or torch has no CUDA)")
+    return ("gpu", f"{name}, DALI mixed") if name is not None else None
+
+
 def _gpu_name() -> str | None:
     """The GPU DALI's mixed path would use, or None (no GPU, no driver, no CUDA torch, no DALI)."""
     from dataferry.client._dali import dali_gpu_count
@@ -448,6 +473,14 @@ def _gpu_name() -> str | None:
     if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_name(torch.cuda.current_device())
+
+
+def _first_line(exc: BaseException) -> str:
+    """The line that says what went wrong: DALI's errors put it after ``encountered:``."""
+    lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+    if "encountered:" in lines and lines.index("encountered:") + 1 < len(lines):
+        return lines[lines.index("encountered:") + 1][:160]
+    return (lines[0] if lines else type(exc).__name__)[:160]
 
 
 def dali_decode_rate(blobs: Sequence[bytes], *, device: str = "gpu", batch: int = 32, rounds: int = 3) -> float:
@@ -578,7 +611,8 @@ def recommend(advice: Advice, link: Link, rules: Rules = Rules()) -> Recommendat
     scored = [(m, predict(m, advice.num_images, link)) for m in advice.rows if _allowed(m, advice.kind, rules) is None]
     best = min(p.epoch_s for _, p in scored)
     m, p = min(((m, p) for m, p in scored if p.epoch_s <= best * TIE), key=lambda mp: (mp[0].mean_bytes, mp[1].epoch_s))
-    rate = f"{m.decode_rate:,.0f} img/s on {'the GPU' if m.gpu_rate is not None else f'{advice.cores} core(s)'}"
+    rate = f"{m.decode_rate:,.0f} img/s " + (f"through {advice.dali}" if m.gpu_rate is not None
+                                             else f"on {advice.cores} core(s)")
     why = (f"link-bound: {m.mean_bytes / 1e3:,.1f} KB/img at {_rate(link.bandwidth)}" if p.bound == "link"
            else f"decode-bound: {rate}")
     reason = (f"{m.strategy.name}: the shortest predicted epoch ({_duration(p.epoch_s)}, {why}) of the "
@@ -621,8 +655,7 @@ def render(advice: Advice, link: Link, rules: Rules, rec: Recommendation) -> str
     head = [
         f"advise {advice.source}: {advice.num_images:,} images; measured {len(advice.sample)} sampled "
         f"(seed {advice.seed}): {formats}; a {advice.kind} source",
-        f"decode: Pillow on {advice.cores} usable core(s); GPU: "
-        f"{advice.gpu + ' (DALI mixed)' if advice.gpu else 'none (no GPU column)'}; "
+        f"decode: Pillow on {advice.cores} usable core(s); DALI: {advice.dali or 'no GPU'}; "
         f"link {_rate(link.bandwidth)}, RTT {link.rtt * 1e3:g} ms (set-up {SETUP_RTTS} RTT)",
     ]
     if advice.rejected:
@@ -635,17 +668,18 @@ def render(advice: Advice, link: Link, rules: Rules, rec: Recommendation) -> str
         note = "<- recommended" if m is rec.row else (why_not or "")
         rows.append((
             m.strategy.name, f"{m.mean_bytes / 1e3:,.1f}", f"{m.encode_s * 1e3:.1f}", f"{m.cpu_rate:,.0f}",
-            f"{m.gpu_rate:,.0f}" if m.gpu_rate is not None else "no GPU",
+            f"{m.gpu_rate:,.0f}" if m.gpu_rate is not None else "fails" if m.gpu_error else "no GPU",
             "exact" if m.exact else f"{m.psnr:.1f} dB",
             f"{m.long_in:.0f}" if m.full_resolution else f"{m.long_in:.0f}->{m.long_out:.0f}",
             _duration(p.epoch_s), p.bound, note,
         ))
-    table = format_table(("STRATEGY", "KB/IMG", "ENCODE ms", "CPU DECODE img/s", "GPU DECODE img/s", "FIDELITY",
+    table = format_table(("STRATEGY", "KB/IMG", "ENCODE ms", "CPU DECODE img/s", "DALI DECODE img/s", "FIDELITY",
                           "LONG SIDE", "EPOCH", "BOUND", "NOTE"), rows)
     foot = [
         f"EPOCH: {advice.num_images:,} images at max(bytes / link, images / decode rate) + set-up; "
         "BOUND: which of the two is longer. ENCODE: CPU per image at ingest. FIDELITY: PSNR against the "
         "source's pixels (resized ones against the source resized the same way).",
+        *(f"DALI fails on {m.strategy.name}'s bytes: {m.gpu_error}" for m in advice.rows if m.gpu_error),
         f"recommended: {rec.reason}",
     ]
     return "\n".join([*head, table, *foot])
@@ -683,7 +717,7 @@ def plot(advice: Advice, link: Link, rec: Recommendation, path: str) -> None:
     ax1.set_xscale("log")
     ax1.set_yscale("log")
     ax1.set_xlabel("KB per image")
-    ax1.set_ylabel(f"decode images/s ({'GPU' if advice.gpu else f'CPU, {advice.cores} cores'})")
+    ax1.set_ylabel(f"decode images/s ({advice.dali or f'Pillow, {advice.cores} cores'})")
     ax1.set_title("bytes against decode rate")
     colors = ["tab:blue" if p.bound == "link" else "tab:orange" for p in preds]
     bars = ax2.barh(names, [p.epoch_s for p in preds], color=colors)

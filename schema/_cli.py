@@ -246,6 +246,9 @@ def _configure_advise(p: argparse.ArgumentParser) -> None:
                    help="allow strategies resized to a maximum side of N or more (measured too); default: full "
                         "resolution only")
     p.add_argument("--workers", type=_positive, metavar="N", help="measuring processes (default: one per core)")
+    p.add_argument("--dali", choices=("auto", "gpu", "cpu", "off"), default="auto",
+                   help="the DALI decode column: auto (the GPU's mixed decoder when there is a GPU), gpu, cpu "
+                        "(DALI's CPU decoder), off (default: auto)")
     p.add_argument("--plot", metavar="FILE", help="also draw the measurements as a PNG chart")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(run=_run_advise)
@@ -263,10 +266,10 @@ def _run_advise(args: argparse.Namespace) -> int:
     rules = Rules(min_psnr=args.min_psnr, max_side=args.max_side)
     sides = tuple(sorted({512, 384, 256} | ({args.max_side} if args.max_side else set()), reverse=True))
     options = AdviseOptions(sample=args.sample, seed=args.seed, sides=sides, workers=args.workers,
-                            progress=False if args.quiet else None)
+                            dali=None if args.dali == "auto" else args.dali, progress=False if args.quiet else None)
     if args.src is not None:
-        advice = advise_source(args.src, options)
         dataset = check_name("dataset", args.dataset or _name_of(args.src))
+        advice = advise_source(args.src, options)
     else:
         dataset = check_name("dataset", args.dataset)
         advice = _run(_with_store(args.store, lambda s: advise_dataset(s, dataset, options), create=False))

@@ -64,7 +64,7 @@ def mixed(tmp_path_factory):
     root = tmp_path_factory.mktemp("advise") / "mixed"
     files = mixed_folder(root)
     t0 = time.perf_counter()
-    advice = advise_source(str(root), AdviseOptions(sample=200, seed=11, workers=2, gpu=False, progress=False))
+    advice = advise_source(str(root), AdviseOptions(sample=200, seed=11, workers=2, dali="off", progress=False))
     print(f"\nadvise on {files} files, a sample of 200: {time.perf_counter() - t0:.1f} s")
     return root, files, advice
 
@@ -301,6 +301,26 @@ def test_dali_decode_rate_runs_the_pipeline_it_would_run_on_a_gpu():
         blobs.append(validate_bytes("x", _png(im), ValidateOptions(format=fmt)).data)
     rate = dali_decode_rate(blobs * 3, device="cpu", batch=4, rounds=2)
     assert math.isfinite(rate) and rate > 0
+
+
+def test_the_dali_column_runs_the_decode_pipeline_and_says_which_bytes_it_cannot_decode(small, tmp_path):
+    pytest.importorskip("nvidia.dali")
+    folder = tmp_path / "withgif"
+    for path in sorted(small.rglob("*.*"))[:6]:
+        (folder / path.parent.name).mkdir(parents=True, exist_ok=True)
+        (folder / path.parent.name / path.name).write_bytes(path.read_bytes())
+    with Image.open(next(small.rglob("*.png"))) as im:
+        im.convert("RGB").quantize(32).save(folder / path.parent.name / "anim.gif")
+    advice = advise_source(str(folder), AdviseOptions(sample=7, workers=1, dali="cpu", sides=(256,), qualities=(90,),
+                                                      progress=False))
+    assert advice.dali == "DALI's CPU decoder" and dict(advice.formats)["GIF"] == 1
+    original = advice.row("original")  # the GIF's own bytes: DALI has no GIF decoder
+    assert original.gpu_rate is None and original.gpu_error and original.decode_rate == original.cpu_rate
+    for m in advice.rows[1:]:  # re-encoded: PNG, JPEG 2000, JPEG
+        assert m.gpu_error is None and math.isfinite(m.gpu_rate) and m.gpu_rate > 0 and m.decode_rate == m.gpu_rate
+    text = render(advice, Link(), Rules(), recommend(advice, Link()))
+    assert "DALI: DALI's CPU decoder" in text and re.search(r"^original .* fails ", text, re.M)
+    assert f"DALI fails on original's bytes: {original.gpu_error}" in text
 
 
 def _png(im: Image.Image) -> bytes:
