@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
 from contextlib import aclosing
 
-from ._cqlconnect import close_leftovers, grow_pool, open_cluster, translate, where
+from ._cqlconnect import close_leftovers, grow_pool, on_new_connection, open_cluster, pool_capacity, translate, where
 from ._errors import DatasetNotFound, SampleNotFound, SplitNotFound, StoreError, StoreUnavailable
 from ._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo, check_name
 from ._splits import DerivedSplit
@@ -127,7 +127,13 @@ class CassandraStore:
         self._ps = prepared
         self._preparing: dict[str, asyncio.Future] = {}  # statements being prepared on first use
         self._loop = asyncio.get_running_loop()
-        self._sem = asyncio.Semaphore(opts.concurrency)
+        # v1/v2: no more in flight than the pool's connections carry (it grows in the background)
+        capacity = pool_capacity(cluster)
+        self._permits = opts.concurrency if capacity is None else max(1, min(opts.concurrency, capacity))
+        self._sem = asyncio.Semaphore(self._permits)
+        self._grown = asyncio.Event()  # set once the pool carries ``concurrency``
+        if capacity is None or capacity >= opts.concurrency:
+            self._grown.set()
         self._inflight = 0
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
@@ -155,10 +161,27 @@ class CassandraStore:
                 ) from failed
             err = translate(failed, f"cassandra store {where(opts)}: preparing statements", url=url)
             raise err from (None if err is failed else failed)
-        grow_pool(cluster, opts)  # the keyspace exists: the store will be used
         store = cls(opts, url, cluster, session, dict(zip(_EAGER, prepared)))
+        on_new_connection(cluster, store._widen_soon)
+        grow_pool(cluster, opts)  # the keyspace exists: the store will be used
         store._background = _quietly(asyncio.to_thread(cluster.refresh_keyspace_metadata, opts.keyspace))
         return store
+
+    def _widen_soon(self) -> None:
+        """Driver thread: a connection opened; the loop may allow more in flight."""
+        try:
+            self._loop.call_soon_threadsafe(self._widen)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    def _widen(self) -> None:
+        capacity = pool_capacity(self._cluster)
+        target = self._opts.concurrency if capacity is None else min(self._opts.concurrency, capacity)
+        while self._permits < target:
+            self._permits += 1
+            self._sem.release()
+        if target >= self._opts.concurrency:
+            self._grown.set()
 
     async def _statement(self, name: str):
         """The prepared statement ``name``, prepared on its first use (once, however many ask at once)."""
@@ -241,6 +264,13 @@ class CassandraStore:
         """Run ``(key, params)`` jobs, at most ``concurrency`` pending; yield ``(key, rows)`` as they complete."""
         if self._closed:
             raise StoreUnavailable(f"cassandra store {self._where} is closed")
+        if name.startswith(("put_", "del_")) and not self._grown.is_set():
+            # Writes carry the bytes: many on few connections fill their sockets, and the driver fails a
+            # request it cannot queue (ConnectionBusy). They wait for the pool (v1/v2), a connect timeout at most.
+            try:
+                await asyncio.wait_for(self._grown.wait(), self._opts.connect_timeout)
+            except TimeoutError:
+                pass
         ps = self._ps.get(name)
         if ps is None:
             try:
@@ -349,14 +379,19 @@ class CassandraStore:
 
     async def read_split(self, dataset: str, split: str) -> IdList:
         what = f"read split {dataset}/{split}"
-        head = await self._split_head(dataset, split, what)
+        # the head and the first chunk (most splits have one) in one round trip
+        head, first = await asyncio.gather(
+            self._split_head(dataset, split, what), self._one("chunk", (dataset, split, 0), what)
+        )
         if head is None:  # an unknown dataset is named as such, not as a missing split
             if not await self._one("dataset", (dataset,), what):
                 raise DatasetNotFound(dataset, f"cassandra store {self._where}")
             raise SplitNotFound(dataset, split, f"cassandra store {self._where}")
         num_ids, num_chunks = head
         chunks: dict[int, tuple[bytes, bytes]] = {}
-        jobs = ((c, (dataset, split, c)) for c in range(num_chunks))
+        if first and num_chunks:
+            chunks[0] = (first[0][0] or b"", first[0][1] or b"")
+        jobs = ((c, (dataset, split, c)) for c in range(1, num_chunks))
         async for c, rows in self._many("chunk", jobs, what):
             if rows:
                 chunks[c] = (rows[0][0] or b"", rows[0][1] or b"")

@@ -37,7 +37,8 @@ import weakref
 from ._errors import ConfigError, StoreError, StoreTimeout, StoreUnavailable
 from ._url import CassandraOptions, redact_url
 
-__all__ = ["connect", "open_cluster", "grow_pool", "close_leftovers", "translate", "where"]
+__all__ = ["connect", "open_cluster", "grow_pool", "pool_capacity", "on_new_connection", "close_leftovers",
+           "translate", "where"]
 
 
 def where(opts: CassandraOptions) -> str:
@@ -129,9 +130,12 @@ def _connection_class(base):
 
     def __init__(self, *args, **kwargs):
         base.__init__(self, *args, **kwargs)
-        type(self).opened.add(self)
+        cls = type(self)
+        cls.opened.add(self)
+        for listener in tuple(cls.listeners):
+            listener()
 
-    attrs = {"in_buffer_size": max(base.in_buffer_size, _READ_SIZE), "opened": weakref.WeakSet(),
+    attrs = {"in_buffer_size": max(base.in_buffer_size, _READ_SIZE), "opened": weakref.WeakSet(), "listeners": [],
              "__init__": __init__, "__module__": __name__}
     read = _libev_read(base)
     if read is not None:
@@ -172,6 +176,28 @@ def _libev_read(base):
                 return None
 
     return handle_read
+
+
+#: requests one v1/v2 connection carries at once: 128 stream ids, less headroom for ids a
+#: timed-out request still holds (the driver's own threshold for opening another connection)
+_STREAMS_V1 = 100
+
+
+def pool_capacity(cluster) -> int | None:
+    """Requests the open pool connections carry at once on v1/v2; None on v3+ (32768 per connection).
+
+    More in flight than this and the driver fails requests with ``ConnectionBusy``.
+    """
+    if cluster.protocol_version >= 3:
+        return None
+    live = [c for c in list(cluster.connection_class.opened)
+            if not (c.is_control_connection or c.is_closed or c.is_defunct)]
+    return _STREAMS_V1 * len(live)
+
+
+def on_new_connection(cluster, callback) -> None:
+    """Call ``callback()`` (on the driver's thread that opened it) after each new connection of ``cluster``."""
+    cluster.connection_class.listeners.append(callback)
 
 
 def close_leftovers(cluster) -> None:

@@ -20,7 +20,7 @@ import pytest
 from dataferry.bench._latency_proxy import LinkOptions, ProxyThread
 from dataferry.schema import ALL_SPLIT, DatasetInfo, Sample, StoreUnavailable, open_store, parse_store_url
 from dataferry.schema._cqlconnect import connect
-from server_kit import run, seed_url
+from server_kit import run, seed, seed_url
 from test_cql_shutdown import _assert_quiet, _baseline
 
 pytestmark = pytest.mark.cassandra
@@ -163,3 +163,22 @@ def test_a_keyspace_without_tables_says_how_to_add_them(cassandra_server):
         cluster.shutdown()
     with pytest.raises(StoreUnavailable, match=f"dataferry schema apply --store {url}"):
         run(open_store(url, create=False))
+
+
+@pytest.mark.skipif(not V1, reason="pools of several connections are protocol v1/v2 only")
+def test_writes_right_after_open_stay_within_what_the_growing_pool_carries(dataset):
+    """The store opens a v1 pool with one connection and grows it in the background. Writes
+    of 50 KB issued at once, 700 in flight, filled its socket and the driver failed them
+    (ConnectionBusy: no host left): writes wait for the pool, reads never exceed what it carries."""
+    url, _, _ = dataset
+    name = f"burst_{uuid.uuid4().hex[:8]}"
+    samples = [Sample(i, i % 3, bytes([i % 256]) * 50_000) for i in range(400)]
+
+    async def go():
+        async with await open_store(_url(url, concurrency=700), create=False) as store:
+            await seed(store, name, samples)
+            return [r async for r in store.fetch(name, np.arange(len(samples)))]
+
+    got = run(go())
+    assert sorted(s.id for s in got) == list(range(len(samples)))
+    assert all(s.data == samples[s.id].data for s in got)
