@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from ._common import all_ids, announced
 from ._loaders import collate_list
 
-__all__ = ["PEERS", "S3Datasets", "available", "s3_datasets", "mosaic", "litdata", "read_epoch"]
+__all__ = ["PEERS", "S3Datasets", "available", "s3_datasets", "s3_server", "mosaic", "litdata", "read_epoch", "store_samples"]
 
 #: peer name -> what it is
 PEERS: dict[str, str] = {
@@ -122,32 +122,30 @@ def _s3_client(endpoint_url: str):
                                           aws_access_key_id=_KEY, aws_secret_access_key=_KEY)
 
 
-def _store_samples(store_url: str, dataset: str, ids: Sequence[int] | None = None, chunk: int = 256) -> Iterator[Sample]:
+def store_samples(store_url: str, dataset: str, ids: Sequence[int] | None = None, chunk: int = 256) -> Iterator[Sample]:
     """``(id, bytes, label)`` of ``ids`` (default: the ``all`` split), in that order."""
-    from dataferry.schema import ALL_SPLIT, Sample as StoredSample, open_store
+    from dataferry.schema import Sample as StoredSample, open_store
 
-    async def part(wanted: list[int] | None) -> tuple[list[int], dict[int, StoredSample]]:
+    async def fetch(wanted: list[int]) -> dict[int, StoredSample]:
+        got = {}
         async with await open_store(store_url, create=False) as store:
-            if wanted is None:
-                wanted = (await store.read_split(dataset, ALL_SPLIT)).ids.tolist()
-                return wanted, {}
-            got = {}
             async for result in store.fetch(dataset, wanted):
                 if not isinstance(result, StoredSample):
                     raise result
                 got[result.id] = result
-            return wanted, got
+        return got
 
-    order = list(ids) if ids is not None else asyncio.run(part(None))[0]
+    order = list(ids) if ids is not None else all_ids(store_url, dataset)
     for start in range(0, len(order), chunk):
-        wanted, got = asyncio.run(part(order[start:start + chunk]))
-        for i in wanted:
+        wanted = order[start:start + chunk]
+        got = asyncio.run(fetch(wanted))
+        for i in wanted:  # the given order, not completion order
             yield i, got[i].data, got[i].label
 
 
 def _litdata_item(ids: list[int], *, store_url: str, dataset: str):
     """``optimize()``'s function: one input is a list of ids, and it yields their samples."""
-    for i, data, label in _store_samples(store_url, dataset, ids):
+    for i, data, label in store_samples(store_url, dataset, ids):
         yield {"id": i, "data": data, "label": label}
 
 
@@ -171,7 +169,7 @@ def _write_mds(store_url: str, dataset: str, folder: str, size_limit: int) -> in
 
     columns = {"id": "int", "data": "bytes", "label": "int"}
     with MDSWriter(out=folder, columns=columns, size_limit=size_limit) as out:
-        for i, data, label in _store_samples(store_url, dataset):
+        for i, data, label in store_samples(store_url, dataset):
             out.write({"id": i, "data": data, "label": label})
     return sum(name.endswith(".mds") for name in os.listdir(folder))
 
@@ -238,6 +236,18 @@ def s3_datasets(sqlite_url: str, dataset: str, *, host: str = "127.0.0.1", wrap:
 
 
 @contextlib.contextmanager
+def _workers_stopped(loader):
+    """Stop ``loader``'s persistent workers on the way out, not when it is collected: they
+    would go on filling the cache folder that is removed next, and live on uncounted."""
+    try:
+        yield
+    finally:
+        running, loader._iterator = loader._iterator, None  # where torch keeps persistent workers
+        if running is not None and hasattr(running, "_shutdown_workers"):
+            running._shutdown_workers()
+
+
+@contextlib.contextmanager
 def _mosaic_dataloader(endpoint_url: str, remote: str, *, batch_size: int, workers: int):
     from streaming import StreamingDataLoader, StreamingDataset
 
@@ -247,8 +257,11 @@ def _mosaic_dataloader(endpoint_url: str, remote: str, *, batch_size: int, worke
     try:
         with _environ(env):  # read where the shards are downloaded: in the workers, forked from here
             ds = StreamingDataset(remote=remote, local=local, shuffle=True, batch_size=batch_size)
-            yield StreamingDataLoader(ds, batch_size=batch_size, num_workers=workers, persistent_workers=workers > 0,
-                                      collate_fn=collate_list, multiprocessing_context="fork" if workers else None)
+            loader = StreamingDataLoader(ds, batch_size=batch_size, num_workers=workers,
+                                         persistent_workers=workers > 0, collate_fn=collate_list,
+                                         multiprocessing_context="fork" if workers else None)
+            with _workers_stopped(loader):
+                yield loader
     finally:
         shutil.rmtree(local, ignore_errors=True)
 
@@ -262,8 +275,10 @@ def _litdata_dataloader(endpoint_url: str, remote: str, *, batch_size: int, work
                "region_name": _REGION}
     try:
         ds = ld.StreamingDataset(remote, cache_dir=cache, shuffle=True, storage_options=options)
-        yield ld.StreamingDataLoader(ds, batch_size=batch_size, num_workers=workers, persistent_workers=workers > 0,
-                                     collate_fn=collate_list)
+        loader = ld.StreamingDataLoader(ds, batch_size=batch_size, num_workers=workers,
+                                        persistent_workers=workers > 0, collate_fn=collate_list)
+        with _workers_stopped(loader):
+            yield loader
     finally:
         shutil.rmtree(cache, ignore_errors=True)
 

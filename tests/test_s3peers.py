@@ -10,6 +10,7 @@ skipped with the reason :func:`available` gives.
 from __future__ import annotations
 
 import collections
+import multiprocessing
 import tempfile
 
 import pytest
@@ -19,7 +20,7 @@ pytest.importorskip("moto")
 
 from dataferry.bench._common import prepared_store  # noqa: E402
 from dataferry.bench._s3peers import (  # noqa: E402
-    _KEY, PEERS, _store_samples, available, litdata, mosaic, read_epoch, s3_datasets,
+    _KEY, PEERS, store_samples, available, litdata, mosaic, read_epoch, s3_datasets,
 )
 
 IMAGES = 240
@@ -44,7 +45,7 @@ def s3():
     if not RUNNABLE:
         pytest.skip("; ".join(f"{p}: {available(p)}" for p in PEERS))
     with prepared_store("sqlite", IMAGES, "s3t") as (url, _, report):
-        want = {i: (data, label) for i, data, label in _store_samples(url, "s3t")}
+        want = {i: (data, label) for i, data, label in store_samples(url, "s3t")}
         assert len(want) == report.num_samples == IMAGES
         # shards of ~4 MB: a few per worker, as with 100 MB shards on a full-size dataset
         with s3_datasets(url, "s3t", shard_mb=4, peers=RUNNABLE) as datasets:
@@ -75,6 +76,7 @@ def test_factory_runs_epochs_back_to_back_until_closed_and_cleans_its_cache(peer
     _need(peer)
     want, datasets = s3
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the cache folder goes here
+    before = set(multiprocessing.active_children())
     it = FACTORIES[peer](_endpoint(datasets), datasets.remote(peer), batch_size=32, workers=1)()
     totals = []  # (samples, bytes) after each batch
     for n, b in it:
@@ -86,8 +88,10 @@ def test_factory_runs_epochs_back_to_back_until_closed_and_cleans_its_cache(peer
             break
     # batches do not straddle epochs: the first epoch ends on a batch, with every byte counted once
     assert (IMAGES, sum(len(data) for data, _ in want.values())) in totals
+    assert set(multiprocessing.active_children()) - before, "no worker process"
     it.close()
     assert next(it, None) is None
+    assert not set(multiprocessing.active_children()) - before, "workers outlive close()"
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("dataferry-")], "cache folder left behind"
     out, err = capfd.readouterr()
     assert _KEY not in out + err
