@@ -724,9 +724,8 @@ def plot(advice: Advice, link: Link, rec: Recommendation, path: str) -> None:
     bars[advice.rows.index(rec.row)].set_edgecolor("black")
     bars[advice.rows.index(rec.row)].set_linewidth(2)
     ax2.invert_yaxis()
-    ax2.set_xlabel(f"predicted epoch, s ({advice.num_images:,} images, {_rate(link.bandwidth)}, "
-                   f"RTT {link.rtt * 1e3:g} ms); blue: link-bound, orange: decode-bound")
-    ax2.set_title(f"recommended: {rec.row.strategy.name}")
+    ax2.set_xlabel(f"predicted epoch, s: {advice.num_images:,} images, {_rate(link.bandwidth)}, RTT {link.rtt * 1e3:g} ms")
+    ax2.set_title(f"recommended: {rec.row.strategy.name}\nblue: link-bound, orange: decode-bound")
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=100)
