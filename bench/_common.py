@@ -213,12 +213,39 @@ class Listening(tuple):
         return (Listening, (*self, self.pid))
 
 
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` has used so far (Linux ``/proc``)."""
+def _stat(pid: int) -> list[str]:
     with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    # fields[0] is the state (field 3): utime and stime are fields 14 and 15
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return fh.read().rsplit(")", 1)[1].split()  # [0] is the state (field 3 of proc(5))
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its live descendants (the workers of ``serve --workers N``), from ``/proc``."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parents[int(entry)] = int(_stat(int(entry))[1])
+            except (OSError, ValueError, IndexError):
+                continue  # ended while we looked
+    tree, frontier = [pid], [pid]
+    while frontier:
+        frontier = [c for c, p in parents.items() if p in frontier]
+        tree += frontier
+    return tree
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process ``pid``, its live
+    descendants (a server's workers) and its children it has reaped (a worker
+    that was replaced): Linux ``/proc``."""
+    total = 0
+    for i, p in enumerate(process_tree(pid)):
+        try:
+            fields = _stat(p)
+        except OSError:
+            continue  # a descendant that ended meanwhile: its CPU reaches the figure once its parent reaps it
+        total += int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if i == 0 else 0)
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 
-from ._common import process_cpu_s
+from ._common import process_cpu_s, process_tree
 
 __all__ = ["main"]
 
@@ -136,30 +136,6 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
         proc.wait()
     proc.stdout.close()
-
-
-def server_tree(pid: int) -> list[int]:
-    """``pid`` and its child processes (the workers of ``serve --workers N``)."""
-    pids = [pid]
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        pids.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-    return pids
-
-
-def tree_cpu_s(pids: list[int]) -> float:
-    total = 0.0
-    for p in pids:
-        try:
-            total += process_cpu_s(p)
-        except OSError:
-            continue  # a worker that ended: its CPU is lost to the figure (none should end)
-    return total
 
 
 def rss_mb(pids: list[int]) -> float:
@@ -304,7 +280,7 @@ def run_once(args: argparse.Namespace, store_url: str, ids: list[int], workers: 
     out = ctx.Queue()
     try:
         time.sleep(0.5)
-        pids = server_tree(server.pid)
+        pids = process_tree(server.pid)
         start = time.time() + 1.0  # the clients import and connect meanwhile
         procs = [ctx.Process(target=_client, args=(host, port, ids, args.request_size, args.connections, args.depth,
                                                    start, args.warmup, args.seconds, seed * 100 + k, out))
@@ -312,9 +288,9 @@ def run_once(args: argparse.Namespace, store_url: str, ids: list[int], workers: 
         for p in procs:
             p.start()
         time.sleep(max(0.0, start + args.warmup - time.time()))
-        cpu0, t0 = tree_cpu_s(pids), time.perf_counter()
+        cpu0, t0 = process_cpu_s(server.pid), time.perf_counter()
         time.sleep(max(0.0, start + args.warmup + args.seconds - time.time()))
-        cpu, elapsed = tree_cpu_s(pids) - cpu0, time.perf_counter() - t0
+        cpu, elapsed = process_cpu_s(server.pid) - cpu0, time.perf_counter() - t0
         rss = rss_mb(pids)
         results = [out.get(timeout=120) for _ in procs]
         for p in procs:

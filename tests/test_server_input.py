@@ -145,7 +145,7 @@ def test_bad_names(server, name, method, path, template):
     "/v1/datasets/%2e%2e/%2e%2e/etc/passwd",
     "/static/x",
     "/v1/../openapi.yaml",
-    "/v1/datasets/d/splits",
+    "/v1/datasets/d/split",
     "/v2/datasets",
 ])
 def test_paths_outside_the_api_are_404_json(server, path):
@@ -166,6 +166,7 @@ def test_unknown_dataset_is_404_naming_it(server):
     ("PUT", "/v1/datasets/d/samples"),
     ("DELETE", "/v1/datasets/d"),
     ("GET", "/v1/datasets/d/samples"),
+    ("GET", "/v1/datasets/d/splits"),  # POST only: derives a split from a filter
     ("POST", "/v1/datasets"),
     ("PATCH", "/healthz"),
     ("HEAD", "/v1/datasets"),
