@@ -22,7 +22,9 @@ Per link, medians of ``--runs`` (interleaved) of samples/s over the whole run
 * the grid: ``Prefetch(tune=False, request_size=R, max_inflight=W)`` for
   each R and W, and the best of it (``best hand-tuned``).
 
-It ends with ``tuned / best hand-tuned`` per link.
+It ends with ``tuned / best hand-tuned`` per link, and the CPU per sample of
+each (steadier than samples/s on a shared machine: the best of a noisy grid is
+biased upwards).
 """
 
 from __future__ import annotations
@@ -82,11 +84,16 @@ def main(argv: list[str] | None = None) -> int:
                          f"{statistics.median(r.us_per_sample for r in runs):.1f}",
                          str(med.window), str(med.request_size)])
         print(table(["setting", "samples/s", "/ best", "first batch s", "us/sample", "window", "ids/req"], rows))
-        print("grid (samples/s, rows R ids per request, columns W max_inflight):")
+        cpu = {k: statistics.median(r.us_per_sample for r in runs) for k, runs in got.items()}
+        print("grid (samples/s | us of CPU per sample; rows R ids per request, columns W max_inflight):")
         print(table(["R \\ W", *map(str, windows)],
-                    [[str(r), *(f"{rates[f'R={r} W={w}']:,.0f}" for w in windows)] for r in sizes]))
+                    [[str(r), *(f"{rates[f'R={r} W={w}']:,.0f} | {cpu[f'R={r} W={w}']:.1f}" for w in windows)]
+                     for r in sizes]))
+        leanest = min((k for k in cpu if k.startswith("R=")), key=cpu.get)
         summary.append(f"{name}: tuned {rates['tuned']:,.0f}/s = {rates['tuned'] / rates[best]:.2f} x best "
-                       f"hand-tuned ({best}, {rates[best]:,.0f}/s); defaults {rates['defaults'] / rates[best]:.2f} x")
+                       f"hand-tuned ({best}, {rates[best]:,.0f}/s); defaults {rates['defaults'] / rates[best]:.2f} x; "
+                       f"CPU per sample: tuned {cpu['tuned']:.1f} us, defaults {cpu['defaults']:.1f}, "
+                       f"leanest hand-tuned {cpu[leanest]:.1f} ({leanest})")
     print("\n" + "\n".join(summary))
     return 0
 

@@ -2,6 +2,7 @@
 
 ``python -m dataferry.bench.window [--latencies 0,100,200] [--images 65536] [--size 110000]
 [--seconds 6] [--runs 3] [--rate MBIT] [--max-bytes N] [--request-size N] [--max-inflight N] [--no-tune]``
+``python -m dataferry.bench.window --http-first-batch 100 [--runs 5] [--store-images 1024]``
 
 The real engine (:class:`~dataferry.client.Loader`) reads a
 :class:`~dataferry.client.MemorySource` that awaits ``latency`` per request
@@ -19,6 +20,13 @@ sockets, no server. Per latency, medians of ``--runs``:
 * ``window``: requests allowed in flight at the end, and ``ids/req`` the
   request size then; then the window over time of the median run (requests,
   at 0.05 s, 0.1 s, 0.2 s, 0.4 s, ...).
+
+``--http-first-batch RTT_MS`` instead measures the time to first batch over
+HTTP: a SQLite store of ``--store-images`` synthetic JPEGs, ``dataferry serve``
+and a ``dataferry latency-proxy`` process of that RTT in front of it (each
+run a fresh Loader: its connections, the split's catalog read, then the first
+batch), medians of ``--runs`` for the tuned and the fixed (``tune=False``)
+window, with the RTT multiple.
 
 The byte budget (``--max-bytes``, default ``Prefetch.max_bytes``) bounds what
 can be in flight: at ``latency`` L and ``size`` S the engine cannot exceed
@@ -124,6 +132,32 @@ def run_once(source, prefetch, *, seconds: float, batch_size: int = 256, max_sam
     )
 
 
+def first_batch_http(rtt_ms: float, *, images: int, runs: int, batch_size: int) -> None:
+    """Seconds from creating a Loader over HTTP across ``rtt_ms`` to its first batch."""
+    from dataferry.client import Loader, Prefetch
+
+    from ._common import data_server, prepared_store
+    from ._links import Condition, ProxyLink
+
+    with prepared_store("sqlite", images) as (store_url, _, _), data_server(store_url) as address, \
+            ProxyLink().emulate(Condition(rtt_ms)) as route:
+        host, port = route(address)
+        url = f"http://{host}:{port}"
+        got: dict[str, list[float]] = {"tuned": [], "fixed (tune=False)": []}
+        for _ in range(runs):
+            for key, prefetch in (("tuned", Prefetch()), ("fixed (tune=False)", Prefetch(tune=False))):
+                t0 = time.perf_counter()
+                with Loader(url, "bench", batch_size=batch_size, prefetch=prefetch) as loader:
+                    next(iter(loader))
+                    got[key].append(time.perf_counter() - t0)
+    rtt = rtt_ms / 1e3
+    print(f"first batch over HTTP at {rtt_ms:g} ms RTT (latency-proxy process), batch {batch_size}, "
+          f"{images} JPEGs in SQLite, medians of {runs}:")
+    print(table(["window", "first batch s", "RTTs", "min s", "max s"],
+                [[k, f"{statistics.median(v):.3f}", f"{statistics.median(v) / rtt:.1f}" if rtt else "-",
+                  f"{min(v):.3f}", f"{max(v):.3f}"] for k, v in got.items()]))
+
+
 def median_run(runs: list[WindowRun]) -> WindowRun:
     """The run with the median whole-run rate (its trace is shown)."""
     return sorted(runs, key=lambda r: r.samples_per_s)[len(runs) // 2]
@@ -154,7 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-size", type=int, default=None)
     p.add_argument("--max-inflight", type=int, default=None)
     p.add_argument("--no-tune", action="store_true", help="Prefetch(tune=False): the fixed +1-per-answer window")
+    p.add_argument("--http-first-batch", type=float, default=None, metavar="RTT_MS",
+                   help="measure the time to first batch over HTTP across this RTT instead")
+    p.add_argument("--store-images", type=int, default=1024)
     args = p.parse_args(argv)
+    if args.http_first_batch is not None:
+        first_batch_http(args.http_first_batch, images=args.store_images, runs=args.runs, batch_size=args.batch_size)
+        return 0
     prefetch = prefetch_from(args)
     latencies = [float(x) / 1e3 for x in args.latencies.split(",")]
     print(f"window: {args.images} samples of {args.size} B, batch {args.batch_size}, {args.runs} runs of "

@@ -238,9 +238,9 @@ class Link:
 
     Tuned (``Prefetch.tune``), the window follows the link, as BBR sizes a TCP
     window: every answered request gives a delivery-rate sample (bytes
-    answered while it was in flight / its latency); ``bandwidth`` is the
-    highest over the last ten round trips, ``min_latency`` the lowest recent
-    latency of a full-size request, and the window may reach ``GAIN`` x
+    answered over the last round trip); ``bandwidth`` is the highest over the
+    last ten round trips, ``min_latency`` the lowest latency of a full-size
+    request over the last 10 s, and the window may reach ``GAIN`` x
     their product (the bandwidth-delay product) in requests of
     ``request_size x mean_bytes``, within ``max_inflight`` (4096 unset) and
     ``max_bytes``. Where the link has no bottleneck yet, the delivery rate
