@@ -155,7 +155,8 @@ class _RequestSizer:
     first batch is spread over several requests in flight at once; then the
     event-loop thread's CPU per sample is measured over a few thousand samples
     at that size ``n`` (``c + o/n``) and at ``2n`` (``c + o/2n``), which gives
-    both costs. If ``2n`` saved less than ``SAVING`` the size goes back to
+    both costs (measured once the pipe is full: a growing window costs CPU of
+    its own). If ``2n`` saved less than ``SAVING`` the size goes back to
     ``n``; else it is the smallest power-of-two multiple of ``n`` past which a
     doubling would save less than ``SAVING``, within ``Link._size_cap`` (16
     requests in ``max_bytes``, 16 MiB a request or 6 MiB over a long round trip,
@@ -303,16 +304,21 @@ class Link:
         self._round_cpu = 0.0
         self.busy: float | None = None  # the share of the last round trip the engine's thread was on CPU
         self.sizer: _RequestSizer | None = None
+        self.concurrency: int | None = None  # requests the source carries at once, hedges set aside
         self.started = False
         self._logged: dict[str, float] = {}
         self.state = "start"
 
-    def start(self, batch_size: int, preferred: int | None) -> None:
-        """The first run: choose the request size and the first window."""
+    def start(self, batch_size: int, preferred: int | None, concurrency: int | None = None,
+              hedge_share: float = 0.0) -> None:
+        """The first run: choose the request size and the first window. ``concurrency``: the
+        requests the source carries at once (``max_concurrency``, e.g. an HTTP pool's connections)."""
         if self.started:
             return
         self.started = True
         p = self.prefetch
+        if concurrency:
+            self.concurrency = max(1, int(concurrency / (1.0 + hedge_share)))
         preferred = preferred or 32
         if p.request_size is not None:
             self.request_size = p.request_size
@@ -341,8 +347,11 @@ class Link:
         return max(1, min(1024, int(most / self.mean_bytes)))
 
     def _cap(self) -> float:
-        """The most requests the options allow: ``max_inflight`` and, tuned, the byte budget."""
+        """The most requests the options allow: ``max_inflight`` and, tuned, the byte budget
+        and what the source can carry at once (its ``max_concurrency``, less the hedges' share)."""
         cap = float(self.prefetch.inflight_cap)
+        if self.tuned and self.concurrency is not None and self.prefetch.max_inflight is None:
+            cap = min(cap, float(self.concurrency))
         if self.tuned:
             cap = min(cap, max(1.0, self.prefetch.max_bytes / (self.request_size * self.mean_bytes)))
         return cap
@@ -419,7 +428,19 @@ class Link:
     def _fit_size(self) -> None:
         """A link-bound loader (its thread mostly idle) whose window holds fewer than
         ``MIN_START`` requests: smaller requests, so the window is not one request in a
-        round trip (on a slow link a large request is a burst, then a gap)."""
+        round trip (on a slow link a large request is a burst, then a gap). A window that
+        the source's concurrency caps below the bandwidth-delay product: larger ones."""
+        if self.sizer is not None and self.concurrency is not None and self.bandwidth and self.min_latency:
+            need = self.GAIN * self.bandwidth * self.min_latency / self.mean_bytes  # samples in flight
+            size = self.request_size
+            while size * self.concurrency < need and size * 2 <= self._size_cap():
+                size *= 2
+            if size > self.request_size:
+                self.sizer.done = True
+                self._resize(size, f"{self.GAIN:g} x {self.bandwidth / 1e6:,.1f} MB/s x "
+                                   f"{self.min_latency * 1e3:.0f} ms needs {need:,.0f} samples in flight, and the "
+                                   f"source carries {self.concurrency} requests at once")
+                return
         rtt = self.min_first
         if (self.sizer is None or self.busy is None or self.busy > self.LINK_BOUND or self.request_size <= 1
                 or rtt is None or rtt < self.LINK_RTT_S):
@@ -480,7 +501,8 @@ class Link:
         memory and latency, not throughput.
         """
         p = self.prefetch
-        if self.sizer is not None and samples and not self.sizer.done:
+        if self.sizer is not None and samples and not self.sizer.done and self.filled:
+            # measured once the window has stopped growing: a growing window costs CPU of its own
             self.sizer.upper = max(self.sizer.size, self._size_cap())
             change = self.sizer.answered(size, samples, self.window)
             if change is not None:
@@ -733,7 +755,8 @@ class Run:
         self.current = self._epoch(plan, done)
         self.ahead: _Epoch | None = None
         self.link = link if link is not None else Link(prefetch, hedge)
-        self.link.start(batch_size, getattr(source, "preferred_request_size", None))
+        self.link.start(batch_size, getattr(source, "preferred_request_size", None),
+                        getattr(source, "max_concurrency", None), hedge.max_fraction if hedge.enabled else 0.0)
         self._seq = itertools.count()
         self._active: set[_Req] = set()
         self._finished: list[_Req] = []  # requests whose task ended, not yet handled

@@ -187,6 +187,8 @@ class HttpSource:
         self.url = url
         self.options = options
         self.preferred_request_size = options.request_size
+        #: requests it carries at once (the engine's tuned window stays within it)
+        self.max_concurrency = options.connections
         self._pool: Pool | None = pool
         self._buffers = BufferPool(options.spare_buffers)
         self._has_token = token is not None

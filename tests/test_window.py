@@ -213,3 +213,15 @@ def test_on_a_slow_link_requests_shrink_so_the_window_holds_several():
     assert Counter(got) == Counter(range(600))
     assert link.request_size <= 10, link.request_size  # 4 requests of it fit 2 x the BDP
     assert link.target() >= Link.MIN_START - 1
+
+
+def test_a_source_that_carries_few_requests_at_once_gets_fewer_larger_ones():
+    # 100 ms, no bottleneck, but the source carries 8 requests at once (an HTTP pool of 8
+    # connections): the window stays within it and requests grow to carry more
+    src = Recording("d", samples(20000, 1024), latency=0.1)
+    src.max_concurrency = 10  # 8 once a quarter is set aside for hedges
+    with Loader(src, "d", batch_size=64, prefetch=Prefetch(max_bytes=64 << 20)) as loader:
+        epochs(loader, 1)
+        link = loader._link
+    assert link.concurrency == 8 and link.window <= 8
+    assert link.request_size >= 32, link.request_size  # from batch / 8 = 8
