@@ -85,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                          str(med.window), str(med.request_size)])
         print(table(["setting", "samples/s", "/ best", "first batch s", "us/sample", "window", "ids/req"], rows))
         cpu = {k: statistics.median(r.us_per_sample for r in runs) for k, runs in got.items()}
-        print("grid (samples/s | us of CPU per sample; rows R ids per request, columns W max_inflight):")
+        print("grid (samples/s, us of CPU per sample; rows R ids per request, columns W max_inflight):")
         print(table(["R \\ W", *map(str, windows)],
-                    [[str(r), *(f"{rates[f'R={r} W={w}']:,.0f} | {cpu[f'R={r} W={w}']:.1f}" for w in windows)]
+                    [[str(r), *(f"{rates[f'R={r} W={w}']:,.0f}, {cpu[f'R={r} W={w}']:.1f}" for w in windows)]
                      for r in sizes]))
         leanest = min((k for k in cpu if k.startswith("R=")), key=cpu.get)
         summary.append(f"{name}: tuned {rates['tuned']:,.0f}/s = {rates['tuned'] / rates[best]:.2f} x best "
