@@ -14,10 +14,11 @@ import random
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from dataferry.client import MemorySource
 from dataferry.schema import Sample, SampleNotFound, SampleSource
 from dataferry.schema._errors import ConfigError, StoreUnavailable
 
-__all__ = ["Faults", "FaultySource"]
+__all__ = ["Faults", "FaultySource", "QueueingSource"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,4 +74,23 @@ class FaultySource:
             if n == keep:
                 raise StoreUnavailable("injected: connection lost mid-stream")
             n += 1
+            yield result
+
+
+class QueueingSource(MemorySource):
+    """A :class:`~dataferry.client.MemorySource` served by ``slots`` workers,
+    each taking ``service`` s per request: requests beyond the slots wait in
+    line, so latency rises with load (a server or store at its limit)."""
+
+    def __init__(self, *args, slots: int = 2, service: float = 0.02, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.slots, self.service = slots, service
+        self._sem: asyncio.Semaphore | None = None
+
+    async def fetch(self, dataset, ids):
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.slots)
+        async with self._sem:
+            await asyncio.sleep(self.service)
+        async for result in super().fetch(dataset, ids):
             yield result

@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from faults import QueueingSource
+
 from dataferry.client import Loader, MemorySource, Prefetch
 from dataferry.client._attribution import LIMITS
 from dataferry.client._metrics import ClientMetrics, serve_metrics
@@ -54,24 +56,6 @@ def assert_named(limits: list[str], want: str) -> None:
     machine in five) they name ``want``."""
     assert len(limits) >= 3, limits
     assert Counter(limits)[want] >= 0.8 * len(limits), limits
-
-
-class QueueingSource(MemorySource):
-    """A service with ``slots`` workers, each taking ``service`` s per request:
-    requests beyond the slots wait in line, so latency rises with load."""
-
-    def __init__(self, *args, slots: int = 2, service: float = 0.02, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.slots, self.service = slots, service
-        self._sem: asyncio.Semaphore | None = None
-
-    async def fetch(self, dataset, ids):
-        if self._sem is None:
-            self._sem = asyncio.Semaphore(self.slots)
-        async with self._sem:
-            await asyncio.sleep(self.service)
-        async for result in super().fetch(dataset, ids):
-            yield result
 
 
 class SlowStore:

@@ -8,12 +8,13 @@ never about time.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import Counter
 
 import pytest
+
+from faults import QueueingSource
 
 from dataferry.client import Hedge, Loader, MemorySource, Prefetch
 from dataferry.client._engine import Link
@@ -47,21 +48,8 @@ class Recording(MemorySource):
             self.inflight -= 1
 
 
-class Slots(Recording):
-    """A server that serves ``slots`` requests at once, ``service`` seconds each: more queue."""
-
-    def __init__(self, *a, slots: int, service: float, **kw):
-        super().__init__(*a, **kw)
-        self.slots, self.service = slots, service
-        self._sem: asyncio.Semaphore | None = None
-
-    async def fetch(self, dataset, ids):
-        if self._sem is None:
-            self._sem = asyncio.Semaphore(self.slots)
-        async with self._sem:
-            await asyncio.sleep(self.service)
-        async for r in super().fetch(dataset, ids):
-            yield r
+class Slots(QueueingSource, Recording):
+    """A server that serves ``slots`` requests at once, ``service`` seconds each (more queue), recorded."""
 
 
 def samples(n: int, size: int):
