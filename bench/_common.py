@@ -72,13 +72,20 @@ def _live_descendants() -> dict[int, float]:
     """pid -> CPU seconds of each live descendant of this process, with the
     children it has reaped, not counting those of its own live descendants
     (Linux ``/proc``; none where there is none)."""
+    children, cpu = _proc_table()
+    return {pid: cpu[pid] for pid in _descendants(os.getpid(), children)}
+
+
+def _proc_table() -> tuple[dict[int, list[int]], dict[int, float]]:
+    """From ``/proc``: parent pid -> its children, and pid -> CPU seconds of the
+    process and of the children it has reaped (utime + stime + cutime + cstime)."""
     children: dict[int, list[int]] = {}
     cpu: dict[int, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
     try:
         names = [n for n in os.listdir("/proc") if n.isdigit()]
     except OSError:
-        return {}
+        return {}, {}
     for name in names:
         try:
             with open(f"/proc/{name}/stat") as fh:
@@ -88,11 +95,14 @@ def _live_descendants() -> dict[int, float]:
         # fields[0] is the state (field 3): ppid is field 4, utime..cstime fields 14-17
         children.setdefault(int(fields[1]), []).append(int(name))
         cpu[int(name)] = sum(int(f) for f in fields[11:15]) / tick
-    found: dict[int, float] = {}
-    todo = list(children.get(os.getpid(), ()))
+    return children, cpu
+
+
+def _descendants(root: int, children: dict[int, list[int]]) -> list[int]:
+    found, todo = [], list(children.get(root, ()))
     while todo:
         pid = todo.pop()
-        found[pid] = cpu[pid]
+        found.append(pid)
         todo += children.get(pid, ())
     return found
 
@@ -213,39 +223,19 @@ class Listening(tuple):
         return (Listening, (*self, self.pid))
 
 
-def _stat(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/stat") as fh:
-        return fh.read().rsplit(")", 1)[1].split()  # [0] is the state (field 3 of proc(5))
-
-
 def process_tree(pid: int) -> list[int]:
     """``pid`` and its live descendants (the workers of ``serve --workers N``), from ``/proc``."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parents[int(entry)] = int(_stat(int(entry))[1])
-            except (OSError, ValueError, IndexError):
-                continue  # ended while we looked
-    tree, frontier = [pid], [pid]
-    while frontier:
-        frontier = [c for c, p in parents.items() if p in frontier]
-        tree += frontier
-    return tree
+    return [pid, *_descendants(pid, _proc_table()[0])]
 
 
 def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) used so far by process ``pid``, its live
-    descendants (a server's workers) and its children it has reaped (a worker
-    that was replaced): Linux ``/proc``."""
-    total = 0
-    for i, p in enumerate(process_tree(pid)):
-        try:
-            fields = _stat(p)
-        except OSError:
-            continue  # a descendant that ended meanwhile: its CPU reaches the figure once its parent reaps it
-        total += int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if i == 0 else 0)
-    return total / os.sysconf("SC_CLK_TCK")
+    descendants (a server's workers) and the children each has reaped (a
+    worker that was replaced): Linux ``/proc``. OSError if ``pid`` is gone."""
+    children, cpu = _proc_table()
+    if pid not in cpu:
+        raise ProcessLookupError(f"no process {pid}")
+    return sum(cpu.get(p, 0.0) for p in [pid, *_descendants(pid, children)])
 
 
 @contextlib.contextmanager
