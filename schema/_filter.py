@@ -44,6 +44,7 @@ the filter with a ``^`` under the position.
 from __future__ import annotations
 
 import math
+import operator
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -371,16 +372,14 @@ class _Parser:
                 raise self.fail(t, f"expected 'in', 'between' or 'glob' after 'not', found {self.found(t)}")
         if t.kind == "op" and t.value in _FLIP:
             op = self.take().value
-            value = self.value(field, ftok)
-            node: Node = Compare(field, op, value)
+            node: Node = Compare(field, op, self.value(field))
         elif t.kind == "kw" and t.value == "in":
-            node = self.in_list(field, ftok)
+            node = self.in_list(field)
         elif t.kind == "kw" and t.value == "between":
             self.take()
-            low = self.value(field, ftok)
+            low = self.value(field)
             self.expect("kw", "and", "'and' between the two ends of the range")
-            high = self.value(field, ftok)
-            node = Between(field, low, high)
+            node = Between(field, low, self.value(field))
         elif t.kind == "kw" and t.value == "glob":
             node = self.glob(field, ftok)
         elif t.kind == "kw" and t.value == "exists":
@@ -402,7 +401,7 @@ class _Parser:
         op = self.take().value
         if not self.at("name"):
             raise self.fail(self.tok, f"expected a field name after {op}, found {self.found(self.tok)}")
-        field, ftok = self.field()
+        field, _ = self.field()
         low = Compare(field, _FLIP[op], self.check(field, vtok))
         t = self.tok
         if not (t.kind == "op" and t.value in _FLIP):
@@ -410,7 +409,7 @@ class _Parser:
         op2 = self.take().value
         if op not in ("<", "<=") or op2 not in ("<", "<="):
             raise self.fail(t, "a chained range goes low to high: use < or <= on both sides (256 <= width <= 1024)")
-        return And((low, Compare(field, op2, self.value(field, ftok))))
+        return And((low, Compare(field, op2, self.value(field))))
 
     def field(self) -> tuple[Field, _Tok]:
         tok = self.take()
@@ -429,7 +428,7 @@ class _Parser:
         known = ", ".join([*_NUMBER_FIELDS, *sorted(_TEXT_FIELDS), "tags.KEY"])
         raise self.fail(tok, f"unknown field {name!r} (fields: {known})")
 
-    def value(self, field: Field, ftok: _Tok) -> object:
+    def value(self, field: Field) -> object:
         t = self.tok
         if t.kind not in ("num", "str"):
             raise self.fail(t, f"expected a value for {field}, found {self.found(t)}")
@@ -443,15 +442,15 @@ class _Parser:
             raise self.fail(vtok, f"{field} is text, got the number {vtok.raw} (quote it: \"{vtok.raw}\")")
         return _norm(field, vtok.value)
 
-    def in_list(self, field: Field, ftok: _Tok) -> Node:
+    def in_list(self, field: Field) -> Node:
         self.take()
         self.expect("op", "(", "'(' after 'in'")
-        values = [self.value(field, ftok)]
+        values = [self.value(field)]
         while self.at("op", ","):
             self.take()
             if len(values) >= _MAX_IN_VALUES:
                 raise self.fail(self.tok, f"more than {_MAX_IN_VALUES} values in one 'in' list")
-            values.append(self.value(field, ftok))
+            values.append(self.value(field))
         self.expect("op", ")", "',' or ')' in the 'in' list")
         return In(field, tuple(values))
 
@@ -563,7 +562,10 @@ def _segment_match(atoms: tuple, s: str) -> bool:
 
 def glob_match(pattern: str, text: str) -> bool:
     """Whether ``text`` matches the glob ``pattern`` (see the module docs)."""
-    segs = _compile_glob(pattern)
+    return _segments_match(_compile_glob(pattern), text)
+
+
+def _segments_match(segs: tuple, text: str) -> bool:
     parts = text.split("/")
     # reach[j]: the first k segments of the pattern can match the first j parts
     reach = [True] + [False] * len(parts)
@@ -594,26 +596,14 @@ def _getter(field: Field, names: tuple[str, ...]) -> Callable[[SampleMeta], obje
         return lambda m: names[m.label] if 0 <= m.label < len(names) else None
     if field.name == "format":
         return lambda m: m.format.upper()
-    return _ATTRS[field.name]
-
-
-_ATTRS = {
-    name: (lambda n: (lambda m: getattr(m, n)))(name) for name in ("id", "label", "width", "height", "size", "path")
-}
+    return operator.attrgetter(field.name)  # id, label, width, height, size, path
 
 
 def _norm(field: Field, value: object) -> object:
     return value.upper() if field.tag is None and field.name == "format" and isinstance(value, str) else value
 
 
-_CMP = {
-    "=": lambda a, b: a == b,
-    "!=": lambda a, b: a != b,
-    "<": lambda a, b: a < b,
-    "<=": lambda a, b: a <= b,
-    ">": lambda a, b: a > b,
-    ">=": lambda a, b: a >= b,
-}
+_CMP = {"=": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 
 
 def _compile(node: Node, names: tuple[str, ...]) -> Predicate:
@@ -639,9 +629,8 @@ def _compile(node: Node, names: tuple[str, ...]) -> Predicate:
         lo, hi = _norm(node.field, node.low), _norm(node.field, node.high)
         return lambda m: (v := get(m)) is not None and lo <= v <= hi
     if isinstance(node, Glob):
-        pattern = node.pattern.upper() if node.field.tag is None and node.field.name == "format" else node.pattern
-        _compile_glob(pattern)
-        return lambda m: (v := get(m)) is not None and glob_match(pattern, v)
+        segs = _compile_glob(_norm(node.field, node.pattern))
+        return lambda m: (v := get(m)) is not None and _segments_match(segs, v)
     if isinstance(node, Exists):
         return lambda m: get(m) is not None
     raise TypeError(f"not a filter node: {node!r}")
