@@ -23,13 +23,10 @@ numbers; explicit options always win.
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
 __all__ = ["usable_cores", "DecoderDefaults", "decoder_defaults"]
-
-log = logging.getLogger("dataferry.client")
 
 #: DALI's own default share for the hardware decoder (its documentation: tuned for the A100)
 DALI_HW_LOAD = 0.65
@@ -71,11 +68,12 @@ def decoder_defaults(device: str, capability: tuple[int, int] | None, gpu_name: 
     if device != "gpu":
         return DecoderDefaults(max(1, cores - 1), DALI_HW_LOAD, f"CPU decode on {cores} usable core(s)")
     major = capability[0] if capability else 0
+    name = gpu_name or "GPU"
     if major in (9, 10):  # Hopper (H100, H200, GH200), datacenter Blackwell (B100, B200, B300)
         return DecoderDefaults(max(1, min(4, cores)), FAST_HW_LOAD,
-                               f"{gpu_name or 'GPU'} (sm_{major}x) has a fast hardware JPEG decoder")
-    name = gpu_name or "GPU"
+                               f"{name} (sm_{major}x) has a fast hardware JPEG decoder")
     if capability == (8, 0):
-        return DecoderDefaults(max(1, min(8, cores)), DALI_HW_LOAD, f"{name} (sm_80): DALI's default hardware share")
-    return DecoderDefaults(max(1, min(8, cores)), DALI_HW_LOAD,
-                           f"{name}: no hardware JPEG decoder known, CUDA and CPU threads decode")
+        reason = f"{name} (sm_80): DALI's default hardware share"
+    else:
+        reason = f"{name}: no hardware JPEG decoder known, CUDA and CPU threads decode"
+    return DecoderDefaults(max(1, min(8, cores)), DALI_HW_LOAD, reason)
