@@ -15,9 +15,9 @@ import signal
 from dataferry.schema import ConfigError
 
 from dataferry.schema._aio import new_event_loop
+from dataferry.schema._units import parse_duration, parse_rate, parse_size
 
 from ._latency_proxy import Address, LatencyProxy, LinkOptions, format_address
-from ._units import parse_duration, parse_rate, parse_size
 
 __all__ = ["serve_proxy", "add_cli_arguments", "cli"]
 

@@ -25,7 +25,7 @@ import threading
 import time
 
 from dataferry.bench._latency_proxy import LatencyProxy, LinkOptions
-from dataferry.bench._units import parse_duration, parse_rate
+from dataferry.schema._units import parse_duration, parse_rate
 
 _ECHO, _SINK = b"E", b"S"
 

@@ -257,10 +257,9 @@ def _configure_advise(p: argparse.ArgumentParser) -> None:
 def _run_advise(args: argparse.Namespace) -> int:
     if args.src is None and args.dataset is None:
         raise ConfigError("advise needs a source: SRC (a folder or manifest), or --dataset NAME for a stored dataset")
-    from dataferry.bench._units import parse_duration, parse_rate
-
     from ._advise import AdviseOptions, Link, Rules, advise_dataset, advise_source, ingest_command, plot, recommend, render
     from ._model import check_name
+    from ._units import parse_duration, parse_rate
 
     link = Link(parse_rate(args.link), parse_duration(args.rtt))
     rules = Rules(min_psnr=args.min_psnr, max_side=args.max_side)

@@ -25,7 +25,7 @@ import pytest
 
 from dataferry.bench._latency_proxy import DEFAULT_MAX_BUFFER, LatencyProxy, LinkOptions, ProxyThread
 from dataferry.bench._latency_proxy_cli import _parse_address, add_cli_arguments, cli, serve_proxy
-from dataferry.bench._units import parse_duration, parse_rate
+from dataferry.schema._units import parse_duration, parse_rate
 from dataferry.schema import ConfigError
 
 _NO_UVLOOP = importlib.util.find_spec("uvloop") is None

@@ -1,8 +1,9 @@
 """Durations and link rates as people write them: ``50ms``, ``1gbit``, ``10MB``.
 
-The latency proxy's command line (``dataferry latency-proxy``) and the bench
-scripts take these; a bad value is a :class:`~dataferry.schema.ConfigError`
-that names the value and the units it may have.
+``dataferry advise`` (``--link``, ``--rtt``), the latency proxy's command line
+(``dataferry latency-proxy``) and the bench scripts take these; a bad value is
+a :class:`~dataferry.schema.ConfigError` that names the value and the units it
+may have.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 
-from dataferry.schema import ConfigError
+from ._errors import ConfigError
 
 __all__ = ["parse_duration", "parse_rate", "parse_size"]
 
