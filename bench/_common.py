@@ -39,6 +39,13 @@ class Measurement:
         return self.samples / self.seconds if self.seconds > 0 else 0.0
 
     @property
+    def total_per_s(self) -> float:
+        """What a user sees: every sample, the first batch's too, over the wall time from creating the loader
+        (``make()``) to the last batch."""
+        wall = self.first_batch + self.seconds
+        return (self.samples + self.first_samples) / wall if wall > 0 else 0.0
+
+    @property
     def mb_per_s(self) -> float:
         return self.bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
 

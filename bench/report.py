@@ -1,9 +1,11 @@
 """Render a sweep's ``summary.json`` as ``table.md`` and PNG plots.
 
-    python -m dataferry.bench.report bench/results     # re-render from bench/results/summary.json
+    python -m dataferry.bench.report bench/results     # re-render from bench/results (runs.csv, summary.json)
 
 Tables pivot one measure by loader (rows, labelled with their concurrency)
-and RTT (columns) for each rate and loss: throughput, time to first batch,
+and RTT (columns) for each rate and loss: samples/s as a user sees them
+(all samples over the wall time from creating the loader to the last batch),
+steady-state throughput after the first batch, time to first batch,
 client CPU per 1,000 samples and requests or streams in flight; one more
 puts ours out of order and in order side by side. The plots draw each loader
 against RTT, one colour per loader and one line style per rate and loss, on
@@ -23,15 +25,19 @@ __all__ = ["render_markdown", "write_plots", "MEASURES"]
 
 #: key in a summary row -> (title, unit, format)
 MEASURES = {
+    "total_per_s": ("What a user sees, all samples over the wall time from creating the loader to the last batch",
+                    "samples/s", lambda v: f"{v:,.0f}" if v >= 10 else f"{v:.1f}"),
     "samples_per_s": ("Throughput", "samples/s", lambda v: f"{v:,.0f}" if v >= 10 else f"{v:.1f}"),
     "first_batch_s": ("Time to first batch", "s", lambda v: f"{v:.2f}"),
     "cpu_per_1k": ("Client CPU per 1,000 samples", "CPU s", lambda v: f"{v:.2f}"),
     "inflight": ("Requests or streams in flight", "mean", lambda v: f"{v:,.0f}" if v >= 10 else f"{v:.1f}"),
 }
 #: the plot of each measure
-PLOTS = {"samples_per_s": "throughput", "first_batch_s": "first_batch", "cpu_per_1k": "cpu", "inflight": "inflight"}
+PLOTS = {"total_per_s": "throughput", "first_batch_s": "first_batch", "cpu_per_1k": "cpu", "inflight": "inflight"}
 #: ours in order next to ours out of order
 _ORDERS = (("http-ooo", "http-inorder"), ("cql-ooo", "cql-inorder"))
+#: the two throughput measures: the headline (from creating the loader) and the steady state (after the first batch)
+_RATES = ("total_per_s", "samples_per_s")
 
 _COLOURS = {"http-ooo": "#08519c", "http-inorder": "#6baed6", "http-concurrent": "#ff7f00", "http-naive": "#de2d26",
             "cql-ooo": "#006d2c", "cql-inorder": "#74c476", "cql-naive": "#fc9272", "webdataset": "#6a51a3",
@@ -71,9 +77,9 @@ def _cell(row: dict | None, key: str, seconds: float = 0.0) -> str:
     text = MEASURES[key][2](row[key])
     if key == "inflight" and (row.get("per_request") or 1) > 1.5:
         text += f" x{row['per_request']:.0f}"  # requests of several samples each
-    if key == "samples_per_s" and row.get("within_epoch") is False:
+    if key in _RATES and row.get("within_epoch") is False:
         text += "*"
-    if key == "samples_per_s" and row.get("window_s") is not None and row["window_s"] < seconds:
+    if key in _RATES and row.get("window_s") is not None and row["window_s"] < seconds:
         text += "†"
     return text
 
@@ -83,7 +89,7 @@ def _pivot(doc: dict, key: str, rate: str, loss: float) -> str:
     rtts = sorted({r["rtt_ms"] for r in rows})
     by = {(r["loader"], r["rtt_ms"]): r for r in rows}
     header = ["loader", *(f"{rtt:g} ms" for rtt in rtts)]
-    keep = key == "samples_per_s" and len(rtts) > 1
+    keep = key in _RATES and len(rtts) > 1
     if keep:
         header.append(f"{rtts[-1]:g} vs {rtts[0]:g} ms")
     body = []
@@ -93,14 +99,14 @@ def _pivot(doc: dict, key: str, rate: str, loss: float) -> str:
         line = [_label(doc, loader), *(_cell(by.get((loader, rtt)), key, _seconds(doc)) for rtt in rtts)]
         if keep:
             first, last = by.get((loader, rtts[0])), by.get((loader, rtts[-1]))
-            ok = first and last and first[key] and last[key] is not None
+            ok = first and last and first.get(key) and last.get(key) is not None
             line.append(f"{last[key] / first[key]:.0%}" if ok else "-")
         body.append(line)
     return table(header, body)
 
 
 def _orders(doc: dict, rate: str, loss: float) -> str | None:
-    """Ours out of order and in order side by side, per RTT (samples/s)."""
+    """Ours out of order and in order side by side, per RTT (samples/s from creating the loader)."""
     rows = _rows(doc, rate, loss)
     by = {(r["loader"], r["rtt_ms"]): r for r in rows}
     pairs = [pair for pair in _ORDERS if all(any(r["loader"] == n for r in rows) for n in pair)]
@@ -114,9 +120,9 @@ def _orders(doc: dict, rate: str, loss: float) -> str | None:
         line = [f"{rtt:g} ms"]
         for ooo, inorder in pairs:
             a, b = by.get((ooo, rtt)), by.get((inorder, rtt))
-            ok = a and b and a["samples_per_s"] and b["samples_per_s"] is not None
-            line += [_cell(a, "samples_per_s", _seconds(doc)), _cell(b, "samples_per_s", _seconds(doc)),
-                     f"{b['samples_per_s'] / a['samples_per_s']:.0%}" if ok else "-"]
+            ok = a and b and a.get("total_per_s") and b.get("total_per_s") is not None
+            line += [_cell(a, "total_per_s", _seconds(doc)), _cell(b, "total_per_s", _seconds(doc)),
+                     f"{b['total_per_s'] / a['total_per_s']:.0%}" if ok else "-"]
         body.append(line)
     return table(header, body)
 
@@ -135,11 +141,13 @@ def render_markdown(doc: dict) -> str:
         f"{meta['images']} synthetic JPEGs of {meta['mean_kb']:.0f} KB mean ({meta['dataset_mb']:.0f} MB)"
         + (f", WebDataset in {meta['shards']} shards of {meta['shard_mb']:.0f} MB" if "shards" in meta else "")
         + f"; batch {opts['batch_size']}; {workers}. Each cell is the median of "
-        f"{opts['repeats']} runs of {opts['seconds']:g} s (steady state, after the first batch)"
+        f"{opts['repeats']} runs, each measured for {opts['seconds']:g} s after its first batch"
         + (", each reading at most one epoch" if opts.get("max_samples", 0) is None else "")
-        + f". The sweep took {meta['total_s'] / 60:.1f} min.",
+        + ". The first table counts what a user sees: every sample over the wall time from creating the loader to "
+        "its last batch, the time to the first batch included; \"Throughput\" is the steady state after the first "
+        f"batch. The sweep took {meta['total_s'] / 60:.1f} min.",
         "",
-        f"Command: `{meta.get('command', '')}`",
+        f"Command: `{meta.get('command', '')}`" + (f" ({meta['note']})" if meta.get("note") else ""),
         "",
         *(["Through `--link proxy` a rate caps each TCP connection on its own, not the link (`--link veth` and "
            "`--link netem` cap the link).", ""] if meta["link"] == "proxy" and any(r["rate"] for r in doc["summary"])
@@ -162,11 +170,11 @@ def render_markdown(doc: dict) -> str:
             why = next(r["status"] for r in _rows(doc, rate, loss))
             out += ["", f"## Rate {rate}, loss {loss:g}%", "", f"Not measured: {why.removeprefix('n/a: ')}."]
             continue
-        keys = list(MEASURES) if (rate, loss) == base else ["samples_per_s"]
+        keys = list(MEASURES) if (rate, loss) == base else list(_RATES)
         for key in keys:
             title, unit, _ = MEASURES[key]
             out += ["", f"## {title} ({unit}): rate {rate}, loss {loss:g}%", "", _pivot(doc, key, rate, loss)]
-            orders = _orders(doc, rate, loss) if key == "samples_per_s" else None
+            orders = _orders(doc, rate, loss) if key == "total_per_s" else None
             if orders:
                 out += ["", f"## Out of order and in order (samples/s): rate {rate}, loss {loss:g}%", "", orders]
     return "\n".join(out) + "\n"
@@ -227,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args[0])
     doc = json.loads((out / "summary.json").read_text())
+    if (out / "runs.csv").exists():  # the medians are made again from every run, with any measure added since
+        from .sweep import read_runs, summarize
+
+        doc["summary"] = summarize(read_runs(out / "runs.csv"), doc["meta"]["images"])
+        (out / "summary.json").write_text(json.dumps(doc, indent=1) + "\n")
     (out / "table.md").write_text(render_markdown(doc))
     write_plots(doc, out)
     return 0

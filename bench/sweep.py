@@ -48,7 +48,8 @@ from pathlib import Path
 from ._common import Measurement, all_ids, data_server, measure_loader, prepared_store
 from ._links import Condition, NamespaceLink, ProxyLink
 
-__all__ = ["LOADERS", "SweepOptions", "Run", "Sweep", "run_sweep", "summarize", "run_and_report", "write_results"]
+__all__ = ["LOADERS", "SweepOptions", "Run", "Sweep", "run_sweep", "summarize", "run_and_report", "write_results",
+           "read_runs"]
 
 #: name -> what it is; the order of tables and legends
 LOADERS: dict[str, str] = {
@@ -334,7 +335,8 @@ def _run_one(name: str, cond: Condition, repeat: int, servers: _Servers, route, 
         _log(f"  {name:<15} run {repeat + 1}: failed: {type(exc).__name__}: {exc}")
         return Run(name, cond, repeat, f"error: {exc}")
     inflight = "" if m.inflight is None else f"  in flight {m.inflight:,.0f}"
-    _log(f"  {name:<15} run {repeat + 1}: {m.samples_per_s:>8,.0f} samples/s {m.mb_per_s:>7,.1f} MB/s  "
+    _log(f"  {name:<15} run {repeat + 1}: {m.total_per_s:>8,.0f} samples/s from start  "
+         f"({m.samples_per_s:,.0f}/s after the first batch, {m.mb_per_s:,.1f} MB/s)  "
          f"first batch {m.first_batch:5.2f} s  cpu {m.cpu_per_1k:5.2f} s/1k{inflight}")
     return Run(name, cond, repeat, "ok", m)
 
@@ -375,7 +377,8 @@ def summarize(runs: list[Run], epoch: int | None = None) -> list[dict]:
         ok = [r.m for r in group if r.status == "ok"]
         row = {"loader": loader, **dataclasses.asdict(cond), "runs": len(ok),
                "status": "ok" if ok else group[0].status}
-        for key, value in (("samples_per_s", lambda m: m.samples_per_s), ("mb_per_s", lambda m: m.mb_per_s),
+        for key, value in (("total_per_s", lambda m: m.total_per_s),
+                           ("samples_per_s", lambda m: m.samples_per_s), ("mb_per_s", lambda m: m.mb_per_s),
                            ("first_batch_s", lambda m: m.first_batch), ("cpu_per_1k", lambda m: m.cpu_per_1k),
                            ("window_s", lambda m: m.seconds),
                            ("inflight", lambda m: m.inflight), ("inflight_peak", lambda m: m.inflight_peak),
@@ -388,8 +391,29 @@ def summarize(runs: list[Run], epoch: int | None = None) -> list[dict]:
 
 
 _RUN_FIELDS = ["loader", "rtt_ms", "loss_pct", "rate", "jitter_ms", "repeat", "status", "samples", "first_samples",
-               "bytes", "seconds", "first_batch_s", "cpu_s", "samples_per_s", "mb_per_s", "cpu_per_1k", "inflight",
+               "bytes", "seconds", "first_batch_s", "cpu_s", "total_per_s", "samples_per_s", "mb_per_s", "cpu_per_1k", "inflight",
                "inflight_peak", "per_request", "within_epoch"]
+
+
+def read_runs(path: Path) -> list[Run]:
+    """The runs of a ``runs.csv`` that :func:`write_results` wrote (their measurements rebuilt)."""
+    from ._common import Measurement
+
+    def num(text: str) -> float | None:
+        return float(text) if text else None
+
+    runs = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            cond = Condition(float(row["rtt_ms"]), float(row["loss_pct"]),
+                             None if row["rate"] == "unlimited" else row["rate"], float(row["jitter_ms"]))
+            m = None
+            if row["status"] == "ok":
+                m = Measurement(int(row["samples"]), int(row["bytes"]), float(row["seconds"]), float(row["first_batch_s"]),
+                                float(row["cpu_s"]), int(row["first_samples"]), num(row["inflight"]),
+                                num(row["inflight_peak"]), num(row["per_request"]))
+            runs.append(Run(row["loader"], cond, int(row["repeat"]) - 1, row["status"], m))
+    return runs
 
 
 def write_results(sweep: Sweep, out: Path) -> list[Path]:
@@ -408,6 +432,7 @@ def write_results(sweep: Sweep, out: Path) -> list[Path]:
                 m = run.m
                 row |= {"samples": m.samples, "first_samples": m.first_samples, "bytes": m.bytes,
                         "seconds": f"{m.seconds:.3f}", "first_batch_s": f"{m.first_batch:.3f}", "cpu_s": f"{m.cpu:.3f}",
+                        "total_per_s": f"{m.total_per_s:.1f}",
                         "samples_per_s": f"{m.samples_per_s:.1f}", "mb_per_s": f"{m.mb_per_s:.2f}",
                         "cpu_per_1k": f"{m.cpu_per_1k:.3f}", "within_epoch": within_epoch(m, epoch)}
                 for key in ("inflight", "inflight_peak", "per_request"):
