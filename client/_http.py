@@ -76,7 +76,6 @@ from dataferry.schema._wire import (
     FRAMES_TYPE,
     IDLIST_TYPE,
     IDS_TYPE,
-    EndRecord,
     ErrorRecord,
     FrameDecoder,
     WireFormatError,
@@ -281,7 +280,8 @@ class HttpSource:
     async def read_split(self, dataset: str, split: str) -> IdList:
         what = f"read split {dataset}/{split}"
         try:
-            body = await self._get(self._path(dataset, "splits", split), IDLIST_TYPE, what, dataset=dataset, split=split)
+            body = await self._read("GET", self._path(dataset, "splits", split), IDLIST_TYPE, what,
+                                    dataset=dataset, split=split)
             return decode_idlist(body)
         except WireFormatError as exc:
             raise StoreError(f"{self.url}: corrupt response to {what}: {exc}") from exc
@@ -295,13 +295,7 @@ class HttpSource:
         what = f"derive a split of {dataset}/{parent}"
         path = self._path(dataset, "splits")
         body = json.dumps({"where": where, "from": parent, **({"name": name} if name is not None else {})}).encode()
-        try:
-            request = self._request("POST", path, body, "application/json")
-            async with self._open_pool().exchange(request, "application/json", collector()) as conn:
-                await self._check_response(conn, "POST", path, "application/json", what, dataset=dataset, split=parent)
-                raw = await read_body(conn)
-        except _TRANSPORT_ERRORS as exc:
-            raise self._translate(exc, what) from exc
+        raw = await self._read("POST", path, "application/json", what, json_body=body, dataset=dataset, split=parent)
         try:
             return DerivedSplit.from_json(json.loads(raw))
         except (KeyError, TypeError, ValueError) as exc:
@@ -322,17 +316,22 @@ class HttpSource:
             head += f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
         return (head + "\r\n").encode("latin-1") + body
 
-    async def _get(self, path: str, ctype: str, what: str, **names: str) -> bytes:
-        """The body of a GET of ``path``, checked to be a 200 of ``ctype``."""
+    async def _read(self, method: str, path: str, ctype: str, what: str, *, json_body: bytes | None = None,
+                    **names: str) -> bytes:
+        """The whole answer to ``method path`` (sending ``json_body``, if any), checked to be a 200 of ``ctype``."""
+        if json_body is None:
+            request = self._request(method, path)
+        else:
+            request = self._request(method, path, json_body, "application/json")
         try:
-            async with self._open_pool().exchange(self._request("GET", path), ctype, collector()) as conn:
-                await self._check_response(conn, "GET", path, ctype, what, **names)
+            async with self._open_pool().exchange(request, ctype, collector()) as conn:
+                await self._check_response(conn, method, path, ctype, what, **names)
                 return await read_body(conn)
         except _TRANSPORT_ERRORS as exc:
             raise self._translate(exc, what) from exc
 
     async def _get_json(self, path: str, what: str, **names: str) -> dict:
-        raw = await self._get(path, "application/json", what, **names)
+        raw = await self._read("GET", path, "application/json", what, **names)
         try:
             doc = json.loads(raw)
         except ValueError as exc:
