@@ -118,7 +118,8 @@ class _Watchdog:
     """One deadline per request for the store's next result: ``expired`` and
     the task cancelled when ``limit`` seconds pass without :meth:`progress`.
     The timer is pushed forward only when it fires (not one timer per sample),
-    and never fires while the producer waits on the client (:meth:`pause`)."""
+    and never expires while the producer waits on the client (``paused``):
+    then it looks again a whole ``limit`` later."""
 
     __slots__ = ("_loop", "_task", "_limit", "last", "paused", "expired", "_handle")
 
@@ -132,9 +133,10 @@ class _Watchdog:
         self._handle = self._loop.call_at(self.last + limit, self._check)
 
     def _check(self) -> None:
-        due = self.last + self._limit
-        if self.paused or self._loop.time() < due:
-            self._handle = self._loop.call_at(max(due, self._loop.time() + 1e-3), self._check)
+        now = self._loop.time()
+        due = now + self._limit if self.paused else self.last + self._limit
+        if now < due:
+            self._handle = self._loop.call_at(max(due, now + 1e-3), self._check)
             return
         self.expired = True
         assert self._task is not None

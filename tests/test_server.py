@@ -286,6 +286,27 @@ def test_slow_client_pauses_the_store(tmp_path):
     assert {first.id, *(r.id for r in rest)} == {x.id for x in big}
 
 
+def test_a_client_slower_than_store_timeout_is_not_a_store_timeout(tmp_path):
+    """store_timeout bounds the wait for the store, not for the client: a
+    producer paused on a full outbox for many store_timeouts is not expired."""
+    big = make_samples(60, size=256 << 10)
+
+    async def go():
+        async with await open_store(f"sqlite://{tmp_path / 's.db'}") as store:
+            await seed(store, "d", big)
+            opts = ServerOptions(buffer_bytes=1 << 20, write_chunk=256 << 10, store_timeout=0.1)
+            async with serve(make_app(store, opts)) as base:
+                async with await HttpSource.open(base, options=HttpOptions(read_buffer=1 << 16)) as src:
+                    it = src.fetch("d", [x.id for x in big]).__aiter__()
+                    first = await anext(it)
+                    await asyncio.sleep(0.6)  # the client reads nothing for six store_timeouts
+                    return [first, *[r async for r in it]]
+
+    got = run(go())
+    assert all(isinstance(r, Sample) for r in got)
+    assert sorted(r.id for r in got) == sorted(x.id for x in big)
+
+
 def test_outbox_coalesces_ready_records_and_bounds_bytes():
     async def go():
         box = Outbox(capacity=1000)
