@@ -82,8 +82,3 @@ class BufferPool:
             return  # let it go
         self._free.setdefault(cap, []).append(buf)
         self._free_bytes += cap
-
-    @property
-    def spare(self) -> int:
-        """Bytes of free buffers kept for reuse."""
-        return self._free_bytes

@@ -386,8 +386,6 @@ class Connection(asyncio.BufferedProtocol):
         self._fail(TimeoutError(f"no answer for {self._read_timeout:g} s"))
 
 
-
-
 class Pool:
     """Keep-alive connections to one ``host:port`` (TLS when ``ssl_context``),
     at most ``connections`` exchanges at a time."""
