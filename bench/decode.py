@@ -36,22 +36,31 @@ def _jpegs(n: int) -> list[bytes]:
 
     with tempfile.TemporaryDirectory(prefix="dataferry-decode-") as tmp:
         make_synthetic(tmp, n, classes=10, seed=0)
-        paths = sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp) for f in fs)
-        out = []
-        for p in paths:
-            with open(p, "rb") as fh:
-                out.append(fh.read())
-        return out
+        return read_files(tmp)
 
 
-def _median_rate(fn, runs: int, images: int, nbytes: int) -> tuple[float, float]:
-    fn()  # warm-up
+def read_files(folder: str) -> list[bytes]:
+    """The bytes of every file under ``folder``, sorted by path."""
+    out = []
+    for p in sorted(os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs):
+        with open(p, "rb") as fh:
+            out.append(fh.read())
+    return out
+
+
+def median_seconds(fn, runs: int) -> float:
+    """The median time of ``runs`` calls of ``fn``, after one warm-up call (builds, allocations, JIT)."""
+    fn()
     secs = []
     for _ in range(runs):
         t0 = time.perf_counter()
         fn()
         secs.append(time.perf_counter() - t0)
-    s = statistics.median(secs)
+    return statistics.median(secs)
+
+
+def _median_rate(fn, runs: int, images: int, nbytes: int) -> tuple[float, float]:
+    s = median_seconds(fn, runs)
     return images / s, nbytes / s / 1e6
 
 
@@ -66,39 +75,63 @@ def _pillow(blobs: list[bytes], threads: int, passes: int):
 
 
 def _dali_decode(blobs: list[bytes], threads: int, passes: int, batch: int):
+    from dataferry.client import DaliOptions
+
+    return decode_epoch(blobs, passes, batch, "cpu", None, DaliOptions(device="cpu", num_threads=threads))
+
+
+def decode_epoch(blobs: list[bytes], passes: int, batch: int, device: str, device_id: int | None, options):
+    """:func:`pipeline_epoch` of DALI's decoder alone (no transform) over ``blobs`` ``passes`` times, in
+    batches of ``batch``."""
     import numpy as np
 
-    from dataferry.client import DaliOptions
     from dataferry.client._dali import build_pipeline
 
     arrays = [np.frombuffer(b, np.uint8) for b in blobs] * passes
-    batches = [arrays[i : i + batch] for i in range(0, len(arrays), batch)]
+    feeds = [(arrays[i : i + batch],) for i in range(0, len(arrays), batch)]
+    return pipeline_epoch(lambda source: build_pipeline(source, None, targets="none", batch_size=batch, device=device,
+                                                        device_id=device_id, options=options), feeds)
+
+
+def pipeline_epoch(build, feeds: list, after=None):
+    """A function that runs one epoch of ``feeds`` (the external source's output, one per batch) through
+    the DALI pipeline ``build(source)`` makes (built here, once), then calls ``after`` (a device sync)."""
     state = {"i": 0}
 
     def source():
-        if state["i"] == len(batches):
+        if state["i"] == len(feeds):
             raise StopIteration
         state["i"] += 1
-        return (batches[state["i"] - 1],)
+        return feeds[state["i"] - 1]
 
-    pipe = build_pipeline(source, None, targets="none", batch_size=batch, device="cpu", device_id=None,
-                          options=DaliOptions(device="cpu", num_threads=threads))
+    pipe = build(source)
     pipe.build()
 
-    run = pipeline_epoch(pipe, state)
+    def run():
+        state["i"] = 0
+        try:
+            while True:
+                pipe.run()
+        except StopIteration:
+            pipe.reset()
+        if after is not None:
+            after()
 
     return run
 
 
-def _end_to_end(blobs: list[bytes], kind: str, threads: int, passes: int, batch: int):
-    from dataferry.client import Loader, MemorySource
-    from dataferry.client import DaliIterator, DaliOptions
-    from dataferry.client import TorchIterator
-    from dataferry.client import TrainTransform
+def memory_source(name: str, blobs: list[bytes], passes: int):
+    """A :class:`~dataferry.client.MemorySource` of ``blobs`` ``passes`` times over (labels ``id % 10``)."""
+    from dataferry.client import MemorySource
     from dataferry.schema import Sample
 
-    source = MemorySource("bench", [Sample(i, i % 10, blobs[i % len(blobs)]) for i in range(len(blobs) * passes)])
-    loader = Loader(source, "bench", batch_size=batch)
+    return MemorySource(name, [Sample(i, i % 10, blobs[i % len(blobs)]) for i in range(len(blobs) * passes)])
+
+
+def _end_to_end(blobs: list[bytes], kind: str, threads: int, passes: int, batch: int):
+    from dataferry.client import DaliIterator, DaliOptions, Loader, TorchIterator, TrainTransform
+
+    loader = Loader(memory_source("bench", blobs, passes), "bench", batch_size=batch)
     if kind == "dali":
         it = DaliIterator(loader, TrainTransform(224), options=DaliOptions(device="cpu", num_threads=threads))
     else:
@@ -157,20 +190,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def pipeline_epoch(pipe, state: dict, after=None):
-    """A function that runs ``pipe`` once through its external source's epoch
-    (``state["i"] = 0`` rewinds the source), then calls ``after`` (a device sync)."""
-
-    def run():
-        state["i"] = 0
-        try:
-            while True:
-                pipe.run()
-        except StopIteration:
-            pipe.reset()
-        if after is not None:
-            after()
-
-    return run

@@ -39,14 +39,14 @@ import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from ._common import announced, data_server, process_cpu_s, table
-from .decode import pipeline_epoch
-from .gpu_check import MIN_PSNR, _median, check_decoder
+from ._common import data_server, process_cpu_s, table
+from ._links import Condition, ProxyLink
+from .decode import median_seconds, pipeline_epoch, read_files
+from .gpu_check import MIN_PSNR, check_decoder
 
 __all__ = ["E2EOptions", "RttResult", "run_e2e"]
 
@@ -157,19 +157,7 @@ def _make_store(tmp: str, images: int) -> tuple[str, list[bytes]]:
     if report.ingested != images:
         raise RuntimeError(f"ingest into {url} took {report.ingested} of {images} images "
                            f"({len(report.rejected)} rejected)")
-    paths = sorted(os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs)
-    blobs = []
-    for p in paths:
-        with open(p, "rb") as fh:
-            blobs.append(fh.read())
-    return url, blobs
-
-
-def _proxy(upstream: tuple[str, int], rtt_ms: float):
-    """A ``dataferry latency-proxy`` process, delay RTT/2 each way: yields ``(host, port)``."""
-    cmd = [sys.executable, "-m", "dataferry.schema._cli", "latency-proxy",
-           "--upstream", f"{upstream[0]}:{upstream[1]}", "--delay", f"{rtt_ms / 2:g}ms"]
-    return announced(cmd, "the latency proxy")
+    return url, read_files(folder)
 
 
 # --- the measurements ----------------------------------------------------------------------------
@@ -190,22 +178,10 @@ def decode_ceiling(blobs: list[bytes], device: str, device_id: int | None, optio
         ids = np.arange(k, k + len(data), dtype=np.int64)
         b = Batch(ids, np.zeros(len(data), np.int32), data, None, 0, ids.copy(), sum(map(len, data)))
         feeds.append(feed_arrays(prepare(b, transform, "none", DATASET, 0), "none"))
-    state = {"i": 0}
-
-    def source():
-        if state["i"] == len(feeds):
-            raise StopIteration
-        state["i"] += 1
-        return feeds[state["i"] - 1]
-
-    pipe = build_pipeline(source, transform, targets="none", batch_size=batch, device=device, device_id=device_id,
-                          options=options)
-    pipe.build()
-    sync = _synchronizer(device, device_id)
-
-    run = pipeline_epoch(pipe, state, sync)
-
-    return len(arrays) / _median(run, runs)
+    run = pipeline_epoch(lambda source: build_pipeline(source, transform, targets="none", batch_size=batch,
+                                                       device=device, device_id=device_id, options=options),
+                         feeds, _synchronizer(device, device_id))
+    return len(arrays) / median_seconds(run, runs)
 
 
 def _synchronizer(device: str, device_id: int | None):
@@ -290,7 +266,8 @@ def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, co
         with data_server(store_url) as server:
             (host, port), pid = server, server.pid
             for rtt in opts.rtts_ms:
-                with _proxy((host, port), rtt) as (phost, pport):
+                with ProxyLink().emulate(Condition(rtt_ms=rtt)) as route:
+                    phost, pport = route((host, port))
                     link = LinkOptions(delay=rtt / 2000)
                     print(f"  {rtt:g} ms RTT: http://{phost}:{pport} ({link.describe()}) -> http://{host}:{port} ...",
                           flush=True)
