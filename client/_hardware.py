@@ -12,10 +12,13 @@ numbers; explicit options always win.
   cores; DALI sends the share ``hw_decoder_load`` of JPEGs to it and decodes
   the rest with CUDA plus its CPU threads (the Huffman stage runs on the CPU).
   On Hopper and later we send nearly all of them (0.99) and give DALI 4
-  threads: measured on an H100 with 110 KB JPEGs, DALI's own default 0.65
-  left 35% of the images to the hybrid path at about 520 us of CPU each,
-  while 0.99 cost about 110 us per image at the same or better throughput
-  (22k images/s with 4 threads). On sm_80 (A100/A30) and on GPUs we have not
+  threads, from a run on an H100 with 110 KB JPEGs reported in the project's
+  issues (not re-measured in this repository, which holds no GPU results
+  yet): DALI's own default 0.65 left 35% of the images to the hybrid path at
+  about 520 us of CPU each, while 0.99 cost about 110 us per image at the
+  same or better throughput (22k images/s with 4 threads). On a GPU machine
+  ``python -m dataferry.bench.gpu_check --e2e --hw-decoder-load 0.65`` and
+  ``0.99`` compare them. On sm_80 (A100/A30) and on GPUs we have not
   measured, DALI's default 0.65 stays (its maintainers restored it after
   profiling on A100-class training: NVIDIA/DALI#6366). GPUs without a
   hardware decoder ignore the share.

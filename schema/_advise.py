@@ -37,7 +37,7 @@ answers for any link.
 A source is ``lossless`` when every sampled image is in a lossless format
 (PNG, BMP, PPM/PGM, GIF, lossless WebP, TIFF not JPEG-compressed, JPEG 2000:
 taken as reversible), ``lossy`` when none is, else ``mixed``; PNG and JPEG 2000
-(``jpeg2000``: lossless and decoded on the GPU by nvJPEG2000) are candidates
+(``jpeg2000``: lossless; nvJPEG2000 decodes it on GPUs) are candidates
 unless the source is lossy.
 """
 

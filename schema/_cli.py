@@ -85,8 +85,8 @@ def _configure_ingest(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", required=True, help="dataset name")
     _store_arg(p)
     p.add_argument("--format", choices=("jpeg", "png", "jpeg2000"),
-                   help="re-encode to this format (default: keep the bytes); jpeg2000 is lossless and decodes "
-                        "on the GPU through DALI (nvJPEG2000)")
+                   help="re-encode to this format (default: keep the bytes); jpeg2000 is lossless, and DALI "
+                        "can decode it on the GPU (nvJPEG2000)")
     p.add_argument("--quality", type=_positive, default=90, help="JPEG quality when re-encoding (default: 90)")
     p.add_argument("--max-side", type=_positive, metavar="N", help="downscale so no side exceeds N (needs --format)")
     p.add_argument("--max-pixels", type=_positive, metavar="N", help="decompression-bomb limit (default: Pillow's)")

@@ -58,7 +58,7 @@ _PIXELS_RE = re.compile(r"\((\d+) pixels\)")
 class ValidateOptions:
     """How to store a valid image: ``format=None`` keeps the original bytes."""
 
-    format: str | None = None  # "jpeg" | "png" | "jpeg2000" (lossless, GPU-decodable) to re-encode
+    format: str | None = None  # "jpeg" | "png" | "jpeg2000" (lossless; nvJPEG2000 decodes it on GPUs) to re-encode
     quality: int = 90  # JPEG quality when re-encoding
     max_side: int | None = None  # downscale (keeping aspect) so no side exceeds this
     max_pixels: int = DEFAULT_MAX_PIXELS  # decompression-bomb limit, per frame
@@ -260,8 +260,9 @@ def _reencode(im: Image.Image, options: ValidateOptions) -> tuple[bytes, str, in
 def _save_params(fmt: str, mode: str, quality: int) -> dict:
     """Pillow's save options for ``fmt``. JPEG 2000 is written reversible
     (the 5/3 wavelet and, for colour, the reversible colour transform, one
-    quality layer): lossless, in a JP2 container that DALI decodes on the GPU
-    with nvJPEG2000 and on the CPU with OpenJPEG, and Pillow with OpenJPEG."""
+    quality layer): lossless, in a JP2 container; Pillow and DALI's CPU decoder
+    read it with OpenJPEG (tested), and DALI documents decoding it on the GPU
+    with nvJPEG2000 (not yet run on a GPU here)."""
     if fmt == "JPEG":
         return {"quality": quality}
     if fmt == "JPEG2000":
