@@ -78,15 +78,8 @@ _STATEMENTS = {
     "chunk": ("SELECT ids, labels FROM {ks}.split_chunks WHERE dataset=? AND split=? AND chunk=?", 3),
     "put_chunk": ("INSERT INTO {ks}.split_chunks (dataset, split, chunk, ids, labels) VALUES (?,?,?,?,?)", 3),
     "del_chunk": ("DELETE FROM {ks}.split_chunks WHERE dataset=? AND split=? AND chunk=?", 3),
-}
-
-#: Prepared while the store opens, in parallel: what a Loader needs before its first batch
-#: (the split's id list, the samples), and what says whether the keyspace and tables exist.
-_EAGER = ("fetch", "split", "chunk", "dataset")
-
-#: Statements on ``derived_splits``, prepared on first use: a keyspace made
-#: before that table existed still opens, and says how to add it when used.
-_DERIVED_STATEMENTS = {
+    # derived_splits: prepared on first use like the rest, so a keyspace made before that
+    # table existed still opens, and says how to add it when used (_has_derived)
     "derived": (
         "SELECT parent, filter_text, created, num_ids, content_hash, parent_hash FROM {ks}.derived_splits "
         "WHERE dataset=? AND split=?",
@@ -99,6 +92,10 @@ _DERIVED_STATEMENTS = {
     ),
 }
 
+#: Prepared while the store opens, in parallel: what a Loader needs before its first batch
+#: (the split's id list, the samples), and what says whether the keyspace and tables exist.
+_EAGER = ("fetch", "split", "chunk", "dataset")
+
 
 def _quietly(aw) -> asyncio.Future:
     """``aw`` as a future whose failure needs no reader: it is read where awaited, and
@@ -107,6 +104,11 @@ def _quietly(aw) -> asyncio.Future:
     fut = asyncio.ensure_future(aw)
     fut.add_done_callback(lambda f: f.cancelled() or f.exception())
     return fut
+
+
+def _utc(created: _dt.datetime | None) -> _dt.datetime | None:
+    """A ``timestamp`` column as read (the driver gives naive UTC) made aware."""
+    return created.replace(tzinfo=_dt.timezone.utc) if created is not None else None
 
 
 def _no_keyspace(exc: BaseException, keyspace: str) -> bool:
@@ -122,6 +124,7 @@ class CassandraStore:
         self.url = url
         self._opts = opts
         self._where = where(opts)
+        self._named = f"cassandra store {self._where}"  # this store in messages, never the password
         self._cluster = cluster
         self._session = session
         self._ps = prepared
@@ -263,7 +266,7 @@ class CassandraStore:
     async def _many(self, name: str, jobs: Iterable[tuple[object, tuple]], what: str) -> AsyncIterator[tuple]:
         """Run ``(key, params)`` jobs, at most ``concurrency`` pending; yield ``(key, rows)`` as they complete."""
         if self._closed:
-            raise StoreUnavailable(f"cassandra store {self._where} is closed")
+            raise StoreUnavailable(f"{self._named} is closed")
         if name.startswith(("put_", "del_")) and not self._grown.is_set():
             # Writes carry the bytes: many on few connections fill their sockets, and the driver fails a
             # request it cannot queue (ConnectionBusy). They wait for the pool (v1/v2), a connect timeout at most.
@@ -296,7 +299,7 @@ class CassandraStore:
                 await sem.acquire()
                 if self._closed:  # closed while this waited: issue nothing more
                     sem.release()
-                    raise StoreUnavailable(f"cassandra store {self._where} is closed")
+                    raise StoreUnavailable(f"{self._named} is closed")
                 issue(ps, job[1], sink, job[0])
                 pending += 1
             if not pending:
@@ -321,7 +324,7 @@ class CassandraStore:
         raise AssertionError("unreachable: one job yields one result")
 
     def _error(self, exc: BaseException, what: str) -> BaseException:
-        return translate(exc, f"cassandra store {self._where}: {what}", url=self.url)
+        return translate(exc, f"{self._named}: {what}", url=self.url)
 
     # --- the seam ------------------------------------------------------------------
     async def fetch(self, dataset: str, ids: Sequence[int]) -> AsyncIterator[FetchResult]:
@@ -336,7 +339,7 @@ class CassandraStore:
 
     async def read_meta(self, dataset: str, ids: Sequence[int]) -> Mapping[int, SampleMeta]:
         out: dict[int, SampleMeta] = {}
-        jobs = ((int(i), (dataset, int(i))) for i in ids)
+        jobs = ((i, (dataset, i)) for i in map(int, ids))
         async for i, rows in self._many("meta", jobs, f"read metadata of dataset {dataset!r}"):
             if rows:
                 label, path, fmt, w, h, size, checksum, tags = rows[0]
@@ -344,15 +347,14 @@ class CassandraStore:
         return out
 
     async def existing(self, dataset: str, ids: Collection[int]) -> set[int]:
-        jobs = ((int(i), (dataset, int(i))) for i in ids)
+        jobs = ((i, (dataset, i)) for i in map(int, ids))
         return {i async for i, rows in self._many("exists", jobs, f"check samples of dataset {dataset!r}") if rows}
 
     # --- catalog ---------------------------------------------------------------------
     @staticmethod
     def _info(row) -> DatasetInfo:
         name, labels, n, created = row
-        created = created.replace(tzinfo=_dt.timezone.utc) if created is not None else None
-        return DatasetInfo(name, tuple(labels or ()), n or 0, created)
+        return DatasetInfo(name, tuple(labels or ()), n or 0, _utc(created))
 
     async def list_datasets(self) -> list[DatasetInfo]:
         rows = await self._one("datasets", (), "list datasets")
@@ -361,7 +363,7 @@ class CassandraStore:
     async def get_dataset(self, name: str) -> DatasetInfo:
         rows = await self._one("dataset", (name,), f"read dataset {name!r}")
         if not rows:
-            raise DatasetNotFound(name, f"cassandra store {self._where}")
+            raise DatasetNotFound(name, self._named)
         return self._info(rows[0])
 
     async def list_splits(self, dataset: str) -> list[SplitInfo]:
@@ -370,7 +372,7 @@ class CassandraStore:
             self._one("dataset", (dataset,), what), self._one("splits", (dataset,), what)
         )
         if not known:
-            raise DatasetNotFound(dataset, f"cassandra store {self._where}")
+            raise DatasetNotFound(dataset, self._named)
         return sorted((SplitInfo(dataset, s, n) for s, n in rows), key=lambda s: s.name)
 
     async def _split_head(self, dataset: str, split: str, what: str) -> tuple[int, int] | None:
@@ -385,8 +387,8 @@ class CassandraStore:
         )
         if head is None:  # an unknown dataset is named as such, not as a missing split
             if not await self._one("dataset", (dataset,), what):
-                raise DatasetNotFound(dataset, f"cassandra store {self._where}")
-            raise SplitNotFound(dataset, split, f"cassandra store {self._where}")
+                raise DatasetNotFound(dataset, self._named)
+            raise SplitNotFound(dataset, split, self._named)
         num_ids, num_chunks = head
         chunks: dict[int, tuple[bytes, bytes]] = {}
         if first and num_chunks:
@@ -397,52 +399,45 @@ class CassandraStore:
                 chunks[c] = (rows[0][0] or b"", rows[0][1] or b"")
         if len(chunks) != num_chunks:
             missing = sorted(set(range(num_chunks)) - set(chunks))
-            raise StoreError(f"cassandra store {self._where}: split {dataset}/{split} is missing chunks {missing}")
+            raise StoreError(f"{self._named}: split {dataset}/{split} is missing chunks {missing}")
         out = IdList.from_chunks([chunks[c] for c in range(num_chunks)])
         if len(out) != num_ids:
             raise StoreError(
-                f"cassandra store {self._where}: split {dataset}/{split} has {len(out)} ids, its header says {num_ids}"
+                f"{self._named}: split {dataset}/{split} has {len(out)} ids, its header says {num_ids}"
             )
         return out
 
-    async def _prepare_derived(self, name: str, what: str) -> bool:
-        """Prepare a ``derived_splits`` statement once; False when the table does not exist."""
-        if name in self._ps:
-            return True
-        cql, pk = _DERIVED_STATEMENTS[name]
+    async def _has_derived(self, name: str, what: str) -> bool:
+        """Prepare the ``derived_splits`` statement ``name``; False when the table does not exist."""
         try:
-            ps = await asyncio.to_thread(self._session.prepare, cql.format(ks=self._opts.keyspace))
+            await self._statement(name)
         except Exception as exc:  # noqa: BLE001 - translated below
             text = str(exc).lower()
             if "derived_splits" in text or "unconfigured" in text:
                 return False
             err = self._error(exc, what)
             raise err from (None if err is exc else exc)
-        if ps.routing_key_indexes is None:
-            ps.routing_key_indexes = list(range(pk))
-        self._ps[name] = ps
         return True
 
     async def get_derived(self, dataset: str, split: str) -> DerivedSplit | None:
         """The derived-split record of ``split``, or None (also in a keyspace made before derived splits)."""
         what = f"read derived split {dataset}/{split}"
-        if not await self._prepare_derived("derived", what):
+        if not await self._has_derived("derived", what):
             return None
         rows = await self._one("derived", (dataset, split), what)
         if not rows:
             return None
         parent, where, created, n, chash, phash = rows[0]
-        created = created.replace(tzinfo=_dt.timezone.utc) if created is not None else None
-        return DerivedSplit(dataset, split, where, parent, created, n, chash, phash)
+        return DerivedSplit(dataset, split, where, parent, _utc(created), n, chash, phash)
 
     async def put_derived(self, record: DerivedSplit) -> None:
         check_name("dataset", record.dataset)
         check_name("split", record.name)
         r = record
         what = f"write derived split {r.dataset}/{r.name}"
-        if not await self._prepare_derived("put_derived", what):
+        if not await self._has_derived("put_derived", what):
             raise StoreError(
-                f"cassandra store {self._where}: table {self._opts.keyspace}.derived_splits does not exist "
+                f"{self._named}: table {self._opts.keyspace}.derived_splits does not exist "
                 f"(the keyspace predates derived splits); add it with: dataferry schema apply --store "
                 f"{redact_url(self.url)}"
             )
