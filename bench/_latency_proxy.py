@@ -74,7 +74,7 @@ import weakref
 from dataclasses import dataclass, field, fields
 
 from dataferry.schema._aio import LoopThread
-from dataferry.schema import ConfigError
+from dataferry.schema._errors import check as _check
 
 __all__ = ["LinkOptions", "ProxyStats", "LatencyProxy", "ProxyThread", "format_address"]
 
@@ -91,6 +91,12 @@ _WRITE_HIGH = 1 << 20
 _WRITE_LOW = 256 << 10
 #: seconds to open the upstream connection
 _CONNECT_TIMEOUT = 10.0
+#: seconds close() waits for reset sockets to report closed
+_CLOSE_TIMEOUT = 5.0
+#: the shortest sleep: timers of some loops (uvloop) have 1 ms resolution
+_TIMER_SLACK = 0.001
+
+Address = tuple[str, int]
 
 
 def kernel_tcp_window() -> int:
@@ -101,12 +107,6 @@ def kernel_tcp_window() -> int:
             return int(f.read().split()[2])
     except (OSError, ValueError, IndexError):
         return 6 << 20
-#: seconds close() waits for reset sockets to report closed
-_CLOSE_TIMEOUT = 5.0
-#: the shortest sleep: timers of some loops (uvloop) have 1 ms resolution
-_TIMER_SLACK = 0.001
-
-Address = tuple[str, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,16 +131,15 @@ class LinkOptions:
     def __post_init__(self) -> None:
         for name in ("delay", "jitter"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ConfigError(f"link {name} must be a finite number of seconds >= 0, not {value!r}")
-        if self.rate is not None and not (
-            isinstance(self.rate, (int, float)) and math.isfinite(self.rate) and self.rate > 0
-        ):
-            raise ConfigError(f"link rate must be a positive number of bytes/s or None, not {self.rate!r}")
-        if self.max_buffer is not None and not (isinstance(self.max_buffer, int) and self.max_buffer >= 1):
-            raise ConfigError(f"link max_buffer must be a positive number of bytes or None, not {self.max_buffer!r}")
-        if self.window is not None and not (isinstance(self.window, int) and self.window >= 1):
-            raise ConfigError(f"link window must be a positive number of bytes or None, not {self.window!r}")
+            _check(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
+                   f"link {name} must be a finite number of seconds >= 0, not {value!r}")
+        rate = self.rate
+        _check(rate is None or (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0),
+               f"link rate must be a positive number of bytes/s or None, not {rate!r}")
+        for name in ("max_buffer", "window"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and value >= 1),
+                   f"link {name} must be a positive number of bytes or None, not {value!r}")
 
     @property
     def transparent(self) -> bool:

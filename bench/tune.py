@@ -33,7 +33,7 @@ import argparse
 import statistics
 
 from ._common import table
-from .window import make_source, run_once
+from .window import make_source, median_run, run_once
 
 __all__ = ["LINKS", "main"]
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for key in ("defaults", "tuned", best):
             runs = got[key]
-            med = sorted(runs, key=lambda r: r.samples_per_s)[len(runs) // 2]
+            med = median_run(runs)
             rows.append([key if key != best else f"best hand-tuned ({key})", f"{rates[key]:,.0f}",
                          f"{rates[key] / rates[best]:.2f}",
                          f"{statistics.median(r.first_batch for r in runs):.3f}",
