@@ -273,12 +273,12 @@ def announced(cmd: Sequence[str], what: str, *, stderr=None):
         proc.stdout.close()
 
 
-def data_server(store_url: str, *, host: str = "127.0.0.1", wrap: Sequence[str] = ()):
+def data_server(store_url: str, *, host: str = "127.0.0.1", wrap: Sequence[str] = (), args: Sequence[str] = ()):
     """Run ``dataferry serve`` on ``store_url`` in its own process, listening on
     ``host``; yield ``(host, port)`` (a :class:`Listening`, with the ``pid``). ``wrap`` prefixes the command (e.g. ``ip
-    netns exec NS``)."""
+    netns exec NS``); ``args`` are more of its flags (``--workers 2``)."""
     import sys
 
     cmd = [*wrap, sys.executable, "-m", "dataferry.server", "--store", store_url, "--host", host, "--port", "0",
-           "--no-access-log", "--log-level", "WARNING", "--max-concurrent", "1024"]
+           "--no-access-log", "--log-level", "WARNING", "--max-concurrent", "1024", *args]
     return announced(cmd, "the data server")

@@ -33,15 +33,13 @@ import os
 import random
 import re
 import selectors
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from ._common import process_cpu_s, process_tree
+from ._common import data_server, process_cpu_s, process_tree
 
 __all__ = ["main"]
 
@@ -110,34 +108,6 @@ def _ids(store_url: str) -> list[int]:
 
 
 # --- the server process ------------------------------------------------------------------------------
-def start_server(store_url: str, workers: int | None) -> tuple[subprocess.Popen, str, int]:
-    """``dataferry serve`` on a free port: the process, its host and port."""
-    extra = [] if workers is None else ["--workers", str(workers)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dataferry.server", "--store", store_url, "--port", "0",
-         "--no-access-log", "--log-level", "WARNING", "--max-concurrent", "1024", *extra],
-        stdout=subprocess.PIPE, text=True,
-    )
-    line = proc.stdout.readline()
-    found = re.search(r"https?://\[?([\w.:-]+?)\]?:(\d+)", line)
-    if found is None:
-        proc.kill()
-        proc.wait()
-        proc.stdout.close()
-        raise SystemExit(f"the server did not start: {line!r}")
-    return proc, found.group(1), int(found.group(2))
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    proc.stdout.close()
-
-
 def rss_mb(pids: list[int]) -> float:
     total = 0.0
     for p in pids:
@@ -275,10 +245,10 @@ def _client(host: str, port: int, ids: list[int], size: int, connections: int, d
 
 # --- a run -------------------------------------------------------------------------------------------------------
 def run_once(args: argparse.Namespace, store_url: str, ids: list[int], workers: int | None, seed: int) -> dict:
-    server, host, port = start_server(store_url, workers)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    try:
+    with data_server(store_url, args=() if workers is None else ("--workers", str(workers))) as server:
+        host, port = server
         time.sleep(0.5)
         pids = process_tree(server.pid)
         start = time.time() + 1.0  # the clients import and connect meanwhile
@@ -295,8 +265,6 @@ def run_once(args: argparse.Namespace, store_url: str, ids: list[int], workers: 
         results = [out.get(timeout=120) for _ in procs]
         for p in procs:
             p.join(30)
-    finally:
-        stop_server(server)
     samples = sum(r["samples"] for r in results)
     return {
         "workers": workers, "samples_s": samples / elapsed, "mb_s": sum(r["bytes"] for r in results) / elapsed / 1e6,
