@@ -209,7 +209,7 @@ def concurrent(ds: ConcurrentHttpDataset, *, batch_size: int, workers: int = 4):
 
 
 def with_options(url: str, host: str, port: int, **options) -> str:
-    """The ``cassandra://`` ``url`` pointed at ``host:port``, with extra query options."""
+    """The ``cassandra://`` ``url`` pointed at ``host:port``, with extra query options (if any)."""
     rest = url.split("//", 1)[1].split("/", 1)[1]
     extra = "&".join(f"{k}={v}" for k, v in options.items())
-    return f"cassandra://{host}:{port}/{rest}" + ("&" if "?" in rest else "?") + extra
+    return f"cassandra://{host}:{port}/{rest}" + (("&" if "?" in rest else "?") + extra if extra else "")

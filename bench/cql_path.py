@@ -97,13 +97,9 @@ def _run_child(url: str, batch_size: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _via(url: str, host: str, port: int) -> str:
-    rest = url.split("//", 1)[1].split("/", 1)[1]
-    return f"cassandra://{host}:{port}/{rest}"
-
-
 def run(images: int, rtts: list[float], repeats: int, batch_size: int) -> list[list[str]]:
     from ._links import Condition, ProxyLink
+    from ._loaders import with_options
 
     results: dict[str, list[dict]] = {}
     with prepared_store("cassandra", images, DATASET) as (url, address, report), contextlib.ExitStack() as stack:
@@ -113,7 +109,7 @@ def run(images: int, rtts: list[float], repeats: int, batch_size: int) -> list[l
         link = ProxyLink()
         for rtt in rtts:
             route = stack.enter_context(link.emulate(Condition(rtt_ms=rtt)))
-            targets[f"proxy {rtt:g} ms"] = _via(url, *route(address))
+            targets[f"proxy {rtt:g} ms"] = with_options(url, *route(address))
         for repeat in range(repeats):
             for name, target in targets.items():
                 r = _run_child(target, batch_size)
