@@ -75,7 +75,6 @@ made, with a clear error if it is missing.
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -157,18 +156,19 @@ class DaliOptions:
     def resolve(self, torch) -> tuple[str, int | None]:
         """``(device, device_id)`` this process will use."""
         cuda = torch is not None and torch.cuda.is_available()
+        gpus = dali_gpu_count() if self.device != "cpu" else 0
         device = self.device
         if device is None:
-            device = "gpu" if dali_gpu_count() > 0 and cuda else "cpu"
+            device = "gpu" if gpus > 0 and cuda else "cpu"
         if device == "cpu":
             return "cpu", None
-        if dali_gpu_count() == 0:
+        if gpus == 0:
             raise ConfigError("device='gpu' but DALI sees no CUDA device (no GPU, or no driver)")
         if not cuda:
             raise ConfigError("device='gpu' but torch has no CUDA: install a CUDA build of torch")
         device_id = torch.cuda.current_device() if self.device_id is None else self.device_id
-        if device_id >= dali_gpu_count():
-            raise ConfigError(f"device_id {device_id} out of range: {dali_gpu_count()} GPU(s) visible")
+        if device_id >= gpus:
+            raise ConfigError(f"device_id {device_id} out of range: {gpus} GPU(s) visible")
         return "gpu", device_id
 
     def decoding(self, device: str, device_id: int | None, torch) -> tuple[int, float]:
@@ -347,19 +347,12 @@ class DaliIterator(ImageIterator):
     def _next_nowait(self) -> ImageBatch:
         raise NotImplementedError("DaliIterator has no get_nowait: DALI's run() blocks")
 
-    def _next(self) -> ImageBatch:
-        t = self.loader._taken  # the loader's consumer-side counters: this thread writes them
-        t0, waited = time.monotonic(), t.wait
-        try:
-            return self._run_pipeline()
-        finally:
-            # the loop's time in run() beyond the feeder's wait on the loader: waiting on DALI
-            t.decode_wait += max(0.0, time.monotonic() - t0 - (t.wait - waited))
-            pipe = self._state.get("pipeline")
-            t.decode_threads = getattr(pipe, "num_threads", 0) or 0
-            t.decode_queue, t.decode_depth = len(self._feeder.inflight), self.options.prefetch
+    def _decode_gauges(self) -> tuple[int, int, int]:
+        threads = getattr(self._state.get("pipeline"), "num_threads", 0) or 0
+        return threads, len(self._feeder.inflight), self.options.prefetch
 
-    def _run_pipeline(self) -> ImageBatch:
+    def _next_decoded(self) -> ImageBatch:
+        """The outputs of one ``pipeline.run()`` (the feeder takes from the loader inside it)."""
         pipe = self._state.get("pipeline")
         if pipe is None:
             raise DataferryError("iterator is closed")

@@ -33,6 +33,7 @@ torch is imported when an iterator is made, never by ``import dataferry.client``
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -165,7 +166,8 @@ class ImageIterator:
 
     A subclass takes batches from ``self.loader``, :func:`prepare` s them,
     decodes, and returns ``self._deliver(prep, images, masks)`` from
-    ``__next__``; :meth:`_in_flight` lists the loader batches it holds.
+    :meth:`_next_decoded`; :meth:`_decode_gauges` reports its decode threads and
+    queue; :meth:`_in_flight` lists the loader batches it holds.
     """
 
     def __init__(self, loader, transform: Transform, targets: TargetKind, seed: int | None,
@@ -227,6 +229,23 @@ class ImageIterator:
         self._epoch = epoch
 
     def _next(self) -> ImageBatch:
+        """The next batch (blocking). The training loop's time in here beyond
+        its wait on the loader (the feeder's, counted by the loader) is its
+        wait on decode; the decode gauges are updated as of the end."""
+        t = self.loader._taken  # the loader's consumer-side counters: this thread writes them
+        t0, waited = time.monotonic(), t.wait
+        try:
+            return self._next_decoded()
+        finally:
+            t.decode_wait += max(0.0, time.monotonic() - t0 - (t.wait - waited))
+            t.decode_threads, t.decode_queue, t.decode_depth = self._decode_gauges()
+
+    def _next_decoded(self) -> ImageBatch:
+        """The next decoded batch, blocking; StopIteration at the epoch's end."""
+        raise NotImplementedError
+
+    def _decode_gauges(self) -> tuple[int, int, int]:
+        """``(decode threads, batches in the decode queue, its capacity)``."""
         raise NotImplementedError
 
     def state_dict(self) -> dict:

@@ -122,17 +122,16 @@ class TorchIterator(ImageIterator):
     def _next(self) -> ImageBatch:
         if self._finalizer.alive is False:
             raise DataferryError("iterator is closed")
-        t = self.loader._taken  # the loader's consumer-side counters: this thread writes them
-        t0, waited = time.monotonic(), t.wait
-        try:
-            self._fill(block=not self._fifo)
-            if not self._fifo:
-                raise StopIteration
-            return self._pop()
-        finally:
-            # the loop's time in here beyond its wait on the loader: waiting on decode
-            t.decode_wait += max(0.0, time.monotonic() - t0 - (t.wait - waited))
-            t.decode_threads, t.decode_queue, t.decode_depth = self.workers, len(self._fifo), self.prefetch
+        return super()._next()
+
+    def _next_decoded(self) -> ImageBatch:
+        self._fill(block=not self._fifo)
+        if not self._fifo:
+            raise StopIteration
+        return self._pop()
+
+    def _decode_gauges(self) -> tuple[int, int, int]:
+        return self.workers, len(self._fifo), self.prefetch
 
     def _next_nowait(self) -> ImageBatch:
         """A decoded batch if the first in line is done, else ``queue.Empty``."""
