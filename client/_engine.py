@@ -307,7 +307,6 @@ class Link:
         self.concurrency: int | None = None  # requests the source carries at once, hedges set aside
         self.started = False
         self._logged: dict[str, float] = {}
-        self.state = "start"
 
     def start(self, batch_size: int, preferred: int | None, concurrency: int | None = None,
               hedge_share: float = 0.0) -> None:
@@ -533,13 +532,14 @@ class Link:
             low, high = self.QUEUE_LOW, self.QUEUE_HIGH
         if queued > high:
             self.window = max(min(floor, target), self.window - 0.5)
-            self._note("queueing", f"answers queue ({queued:.0f} requests' worth): window down to {self.window:.0f}")
+            self._note("queueing",
+                       lambda: f"answers queue ({queued:.0f} requests' worth): window down to {self.window:.0f}")
         elif self.window > target:
             self.window = max(target, self.window - 1.0)
-            self._note("above", f"window down to {self.window:.0f}, towards {self._why(target)}")
+            self._note("above", lambda: f"window down to {self.window:.0f}, towards {self._why(target)}")
         elif queued < low and self.window < target:
             self.window = min(target, self.window + 1.0)
-            self._note("growing", f"window up to {self.window:.0f}, towards {self._why(target)}")
+            self._note("growing", lambda: f"window up to {self.window:.0f}, towards {self._why(target)}")
 
     def _windowed_min(self, mins: deque[tuple[float, float]], latency: float, probe: bool = False) -> float:
         """The lowest latency in ``mins`` over the last ``MIN_LATENCY_S`` seconds (with
@@ -586,13 +586,13 @@ class Link:
     def failed(self) -> None:
         floor = float(self.MIN_WINDOW if self.tuned else self.prefetch.initial_inflight or 2)
         self.window = max(floor, self.window / 2)
-        self._note("failed", f"a request failed: window halved to {self.window:.0f}")
+        self._note("failed", lambda: f"a request failed: window halved to {self.window:.0f}")
 
-    def _note(self, kind: str, message: str) -> None:
-        """Log a window decision: at most one per ``LOG_EVERY`` seconds of each kind."""
-        self.state = kind
+    def _note(self, kind: str, message: Callable[[], str]) -> None:
+        """Log a window decision: at most one per ``LOG_EVERY`` seconds of each kind
+        (this runs per answer: ``message()`` is formatted only when it is logged)."""
         if time.monotonic() - self._logged.get(kind, -_INF) >= self.LOG_EVERY:
-            self._log(kind, message)
+            self._log(kind, message())
 
     def _log(self, kind: str, message: str) -> None:
         self._logged[kind] = time.monotonic()
