@@ -7,7 +7,9 @@ as ``dataferry serve`` does. Test data in a real store (:func:`seed`,
 :func:`seeded_db`), a response checker against ``server/openapi.yaml``
 (:class:`Spec`), a frame decoder for raw bodies, a metrics parser, a
 self-signed certificate, and :class:`BrokenStore`, a wrapper at the store seam
-(which we own) that fails or hangs on demand.
+(which we own) that fails or hangs on demand. For the client's side: a
+:class:`RawHttpServer` whose subclasses write hand-made answers byte by byte,
+and :class:`ServerProcess`, ``python -m dataferry.server`` to kill and restart.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import datetime as dt
 import functools
 import ipaddress
 import logging
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,6 +224,59 @@ async def call(
         if template is not None:
             SPEC.check(method, template, resp.status, resp.headers.get("Content-Type", ""), body)
         return resp.status, dict(resp.headers), body
+
+
+# --- servers for the client's side --------------------------------------------------------------
+class RawHttpServer:
+    """A TCP server on loopback for hand-written answers: a subclass's
+    ``handle(reader, writer)`` serves each connection (a cut request or a reset
+    ends it quietly; the writer is closed after). ``async with`` yields the
+    ``http://`` base URL; leaving the block ends the handlers still running."""
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._tasks.add(asyncio.current_task())
+        try:
+            await self.handle(reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def __aenter__(self) -> str:
+        self._tasks: set[asyncio.Task] = set()
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc) -> None:
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._server.wait_closed()
+
+
+class ServerProcess:
+    """``python -m dataferry.server`` on a fixed or free port."""
+
+    def __init__(self, store_url: str, port: int = 0, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dataferry.server", "--store", store_url, "--port", str(port),
+             "--no-access-log", "--log-level", "ERROR", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        line = self.proc.stdout.readline()
+        assert "listening on" in line, line
+        self.url = line.split()[-1]
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+    def kill(self) -> None:
+        """SIGKILL, and wait for it; safe to call again (a process that has ended is left alone)."""
+        self.proc.send_signal(signal.SIGKILL)  # Popen sends nothing to a process it has reaped
+        self.proc.wait(10)
+        self.proc.stdout.close()
 
 
 # --- TLS -----------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from dataferry.schema import Sample, SampleNotFound, open_store
 from dataferry.schema._errors import StoreError, StoreTimeout, StoreUnavailable
 from dataferry.schema._wire import EndRecord, FrameDecoder, encode_end, encode_error, encode_not_found, encode_sample
 from dataferry.server import ServerOptions, make_app
-from server_kit import make_samples, run, seed, self_signed, serve
+from server_kit import RawHttpServer, make_samples, run, seed, self_signed, serve
 
 
 async def _drain(agen) -> list:
@@ -127,52 +127,33 @@ def test_buffer_pool_gives_back_only_what_nothing_refers_to():
 
 
 # --- hand-written answers -----------------------------------------------------------------------------------
-class Scripted:
-    """A loopback server that answers request ``k`` (on any connection) with
-    ``replies[k]``: a list of byte strings written with a pause between them
-    (so the client reads them separately), or None to close at once. Counts
-    connections."""
+class Scripted(RawHttpServer):
+    """Answers request ``k`` (on any connection) with ``replies[k]``: a list of
+    byte strings written with a pause between them (so the client reads them
+    separately), or None to close at once. Counts connections."""
 
     def __init__(self, *replies: list[bytes] | None, close_after: bool = False) -> None:
         self.replies = list(replies)
         self.requests = 0
         self.connections = 0
         self.close_after = close_after
-        self.tasks: set[asyncio.Task] = set()
 
-    async def _handle(self, reader, writer) -> None:
+    async def handle(self, reader, writer) -> None:
         self.connections += 1
-        self.tasks.add(asyncio.current_task())
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = [int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")]
-                await reader.readexactly(length[0] if length else 0)
-                reply = self.replies[min(self.requests, len(self.replies) - 1)]
-                self.requests += 1
-                if reply is None:
-                    return
-                for part in reply:
-                    writer.write(part)
-                    await writer.drain()
-                    await asyncio.sleep(0.01)
-                if self.close_after:
-                    return
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
-
-    async def __aenter__(self) -> str:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def __aexit__(self, *exc) -> None:
-        self.server.close()
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.server.wait_closed()
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = [int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")]
+            await reader.readexactly(length[0] if length else 0)
+            reply = self.replies[min(self.requests, len(self.replies) - 1)]
+            self.requests += 1
+            if reply is None:
+                return
+            for part in reply:
+                writer.write(part)
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            if self.close_after:
+                return
 
 
 A = Sample(7, 1, bytes(range(256)) * 200, b"mask")  # 51 KB: large enough to be read into its buffer directly
@@ -258,18 +239,12 @@ def test_broken_answers_fail_with_one_line_naming_the_service(reply, error, matc
 
 
 def test_a_server_that_stalls_mid_body_is_a_timeout():
-    class Stalling(Scripted):
-        async def _handle(self, reader, writer):
-            self.tasks.add(asyncio.current_task())
-            try:
-                await reader.readuntil(b"\r\n\r\n")
-                await reader.readexactly(24)
-                writer.write(HEAD + b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY[:5000])
-                await asyncio.sleep(5)
-            except asyncio.CancelledError:
-                pass
-            finally:
-                writer.close()
+    class Stalling(RawHttpServer):
+        async def handle(self, reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(24)
+            writer.write(HEAD + b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY[:5000])
+            await asyncio.sleep(5)
 
     async def go():
         async with Stalling() as url:

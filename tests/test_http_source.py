@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -22,30 +19,10 @@ from dataferry.schema import Sample, open_store
 from dataferry.schema._errors import ConfigError, StoreError, StoreTimeout, StoreUnavailable
 from dataferry.schema._wire import encode_end, encode_sample
 from dataferry.server import ServerOptions, make_app
-from server_kit import make_samples, run, seed, seed_url, serve
+from server_kit import RawHttpServer, ServerProcess, make_samples, run, seed, seed_url, serve
 
 
 # --- a real server in a subprocess, killed and restarted ---------------------------------------------
-class ServerProcess:
-    """``python -m dataferry.server`` on a fixed or free port."""
-
-    def __init__(self, store_url: str, port: int = 0, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dataferry.server", "--store", store_url, "--port", str(port),
-             "--no-access-log", "--log-level", "ERROR", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )
-        line = self.proc.stdout.readline()
-        assert "listening on" in line, line
-        self.url = line.split()[-1]
-        self.port = int(self.url.rsplit(":", 1)[1])
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-        self.proc.stdout.close()
-
-
 def test_loader_finishes_the_epoch_across_a_server_kill_and_restart(tmp_path):
     samples = make_samples(3000, size=1500)
     db = f"sqlite://{tmp_path / 's.db'}"
@@ -85,8 +62,7 @@ def test_loader_finishes_the_epoch_across_a_server_kill_and_restart(tmp_path):
             stats = loader.stats()
     finally:
         for s in servers:
-            if s.proc.poll() is None:
-                s.kill()
+            s.kill()
     assert events == ["killed", "restarted"]
     assert seen == Counter({s.id: 1 for s in samples})  # every sample exactly once
     assert stats.retries > 0 or stats.failures > 0  # the kill was felt mid-epoch
@@ -116,38 +92,20 @@ async def _drain(agen) -> list:
     return [r async for r in agen]
 
 
-class RawServer:
-    """A TCP server on loopback that answers every request with ``reply`` bytes
-    (then closes), or with nothing at all when ``reply`` is None."""
+class RawServer(RawHttpServer):
+    """Answers every request with ``reply`` bytes (then closes), or with
+    nothing at all when ``reply`` is None."""
 
     def __init__(self, reply: bytes | None) -> None:
         self.reply = reply
-        self.tasks: set[asyncio.Task] = set()
 
-    async def _handle(self, reader, writer) -> None:
-        self.tasks.add(asyncio.current_task())
-        try:
-            await reader.readuntil(b"\r\n\r\n")
-            if self.reply is None:
-                await asyncio.sleep(30)
-            else:
-                writer.write(self.reply)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
-
-    async def __aenter__(self) -> str:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def __aexit__(self, *exc) -> None:
-        self.server.close()
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.server.wait_closed()
+    async def handle(self, reader, writer) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        if self.reply is None:
+            await asyncio.sleep(30)
+        else:
+            writer.write(self.reply)
+            await writer.drain()
 
 
 def _http(status: str, ctype: str, body: bytes, *, chunked: bool = False) -> bytes:

@@ -18,8 +18,7 @@ from dataferry.client import Loader, Prefetch
 from dataferry.schema import Sample
 from dataferry.schema._ddl import apply_schema
 from dataferry.schema._url import parse_store_url
-from test_http_source import ServerProcess
-from server_kit import make_samples, run, seed_url
+from server_kit import ServerProcess, make_samples, run, seed_url
 
 BUDGET = 4 << 20  # Prefetch.max_bytes: the datasets below are >= 10x this
 
@@ -72,8 +71,7 @@ def test_loader_with_default_options_streams_through_three_server_restarts(tmp_p
             stats = loader.stats()
     finally:
         for s in servers:
-            if s.proc.poll() is None:
-                s.kill()
+            s.kill()
     assert log == [f"down {d} s" for d in downs]
     assert epochs >= 2 and stats.failures > 0
 
