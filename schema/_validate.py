@@ -245,16 +245,11 @@ def prepare_image(im: Image.Image, format: str, max_side: int | None = None) -> 
 
 
 def _reencode(im: Image.Image, options: ValidateOptions) -> tuple[bytes, str, int, int]:
-    fmt = _FORMATS[options.format or "jpeg"]
+    format = options.format or "jpeg"
     mode_in = im.mode
-    out = prepare_image(im, options.format or "jpeg", options.max_side)
-    buf = io.BytesIO()
-    params = _save_params(fmt, out.mode, options.quality)
-    icc = im.info.get("icc_profile")
-    if icc and out.mode == mode_in:  # a CMYK profile would lie about converted RGB
-        params["icc_profile"] = icc
-    out.save(buf, fmt, **params)
-    return buf.getvalue(), fmt, out.width, out.height
+    out = prepare_image(im, format, options.max_side)
+    icc = im.info.get("icc_profile") if out.mode == mode_in else None  # a CMYK profile would lie about converted RGB
+    return encode_image(out, format, options.quality, icc_profile=icc), _FORMATS[format], out.width, out.height
 
 
 def _save_params(fmt: str, mode: str, quality: int) -> dict:
@@ -270,11 +265,14 @@ def _save_params(fmt: str, mode: str, quality: int) -> dict:
     return {"compress_level": 6}
 
 
-def encode_image(im: Image.Image, format: str, quality: int = 90) -> bytes:
+def encode_image(im: Image.Image, format: str, quality: int = 90, *, icc_profile: bytes | None = None) -> bytes:
     """``im`` (already in a mode ``format`` holds) encoded as ``format`` (``jpeg``, ``png`` or ``jpeg2000``)."""
     fmt = _FORMATS[format]
+    params = _save_params(fmt, im.mode, quality)
+    if icc_profile:
+        params["icc_profile"] = icc_profile
     buf = io.BytesIO()
-    im.save(buf, fmt, **_save_params(fmt, im.mode, quality))
+    im.save(buf, fmt, **params)
     return buf.getvalue()
 
 
