@@ -113,7 +113,7 @@ class SqliteStore:
         if conn is None:
             parent = os.path.dirname(os.path.abspath(self._opts.path))
             if not os.path.isdir(parent):
-                raise StoreUnavailable(f"sqlite store {self._opts.path!r}: folder {parent!r} does not exist")
+                raise StoreUnavailable(f"{self._named}: folder {parent!r} does not exist")
             conn = sqlite3.connect(
                 self._opts.path, timeout=self._opts.busy_timeout, check_same_thread=False, isolation_level=None
             )
@@ -131,7 +131,7 @@ class SqliteStore:
 
     async def _run(self, pool: ThreadPoolExecutor, fn, *, txn: bool = False):
         if self._closed:
-            raise StoreUnavailable(f"sqlite store {self._opts.path!r} is closed")
+            raise StoreUnavailable(f"{self._named} is closed")
 
         reader = pool is self._readers
 
@@ -179,14 +179,13 @@ class SqliteStore:
 
     def _translate(self, conn: sqlite3.Connection, exc: sqlite3.Error) -> StoreError:
         """A StoreError naming the file; a full disk says so, with the free space."""
-        where = self._named
         code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
         if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
-            return StoreTimeout(f"{where}: {exc}")
+            return StoreTimeout(f"{self._named}: {exc}")
         if code == sqlite3.SQLITE_FULL:
-            return StoreError(f"{where}: {self._full(conn)} ({exc}); the write was rolled back")
+            return StoreError(f"{self._named}: {self._full(conn)} ({exc}); the write was rolled back")
         name = getattr(exc, "sqlite_errorname", None)
-        return StoreError(f"{where}: {exc}" + (f" ({name})" if name and code == sqlite3.SQLITE_IOERR else ""))
+        return StoreError(f"{self._named}: {exc}" + (f" ({name})" if name and code == sqlite3.SQLITE_IOERR else ""))
 
     def _full(self, conn: sqlite3.Connection) -> str:
         """Why SQLite is full: the file system, or the database's page limit."""
