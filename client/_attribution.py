@@ -45,7 +45,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-from ._stats import Stats
+from ._stats import Stats, _ms
 
 __all__ = ["Interval", "Limit", "LIMITS", "Attributor", "attribute", "STALL", "QUEUEING", "QUEUED"]
 
@@ -59,10 +59,6 @@ QUEUEING = 1.25
 QUEUED = 1.5
 #: intervals over which the latency floor is the minimum
 FLOOR_SPAN = 30
-
-
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v * 1e3:.0f}ms"
 
 
 def attribute(s: Stats, floor: float | None) -> tuple[Limit, str]:

@@ -52,6 +52,11 @@ class Taken:
         self.decode_depth = 0  # gauge: its capacity
 
 
+def _ms(v: float | None) -> str:
+    """Seconds as whole milliseconds for a log line; ``-`` for None."""
+    return "-" if v is None else f"{v * 1e3:.0f}ms"
+
+
 def snapshot(c: Counters, taken: Taken, ready_bytes: int) -> Stats:
     """Both sides' counters as one frozen :class:`Stats`."""
     now = time.monotonic()
@@ -188,13 +193,10 @@ class Stats:
         return d
 
     def __str__(self) -> str:
-        def ms(v: float | None) -> str:
-            return "-" if v is None else f"{v * 1e3:.0f}ms"
-
         return (
             f"{self.samples} samples in {self.elapsed:.1f}s: {self.samples_per_s:,.0f}/s "
             f"{self.bytes_per_s / 1e6:,.1f} MB/s, waited {self.wait_fraction:.0%} | "
-            f"window {self.window} inflight {self.inflight} latency {ms(self.request_latency)} "
-            f"(min {ms(self.min_latency)}) | retries {self.retries} failures {self.failures} "
+            f"window {self.window} inflight {self.inflight} latency {_ms(self.request_latency)} "
+            f"(min {_ms(self.min_latency)}) | retries {self.retries} failures {self.failures} "
             f"hedges {self.hedges} skipped {self.skipped} | peak {self.peak_bytes / 2**20:,.1f} MiB"
         )
