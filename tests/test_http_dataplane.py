@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import subprocess
 import sys
 
@@ -22,7 +23,7 @@ from dataferry.schema import Sample, SampleNotFound, open_store
 from dataferry.schema._errors import StoreError, StoreTimeout, StoreUnavailable
 from dataferry.schema._wire import EndRecord, FrameDecoder, encode_end, encode_error, encode_not_found, encode_sample
 from dataferry.server import ServerOptions, make_app
-from server_kit import RawHttpServer, make_samples, run, seed, self_signed, serve
+from server_kit import RawHttpServer, live_server, make_samples, run, seed, self_signed, serve
 
 
 async def _drain(agen) -> list:
@@ -82,8 +83,6 @@ def test_the_loader_reuses_buffers_and_never_one_still_held(tmp_path):
         store = await open_store(f"sqlite://{tmp_path / 's.db'}")
         await seed(store, "d", samples)
         return make_app(store)
-
-    from server_kit import live_server
 
     sources = []
 
@@ -277,7 +276,7 @@ def test_client_cpu_bench_smoke(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "dataferry.bench.client_cpu", "--data", "random", "--images", "64", "--epochs", "1",
          "--repeats", "1", "--batch-size", "16", "--no-memory"],
-        capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "TMPDIR": str(tmp_path)},
+        capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "client CPU us/sample" in out.stdout and "HTTP, direct" in out.stdout
