@@ -274,26 +274,26 @@ def decode_multilabel(blobs: Sequence[bytes | None], ids: Sequence[int], dataset
 
 
 # --- the CPU implementation (Pillow + numpy): decode, crop-resize, flip, normalize ----------
-def decode_rgb(data, what: str = "image"):
-    """A Pillow RGB image from encoded bytes, fully decoded."""
+def _decode(data, what: str, failed: str):
+    """A Pillow image from encoded bytes, fully decoded; InvalidImage ``"{failed}: {Pillow's reason}"``."""
     from PIL import Image
 
     try:
         im = Image.open(io.BytesIO(data))
         im.load()
     except Exception as exc:  # noqa: BLE001 - Pillow raises many types
-        raise InvalidImage(what, f"cannot decode: {exc}") from exc
+        raise InvalidImage(what, f"{failed}: {exc}") from exc
+    return im
+
+
+def decode_rgb(data, what: str = "image"):
+    """A Pillow RGB image from encoded bytes, fully decoded."""
+    im = _decode(data, what, "cannot decode")
     return im if im.mode == "RGB" else im.convert("RGB")
 
 
 def decode_mask(data, what: str = "mask"):
-    from PIL import Image
-
-    try:
-        im = Image.open(io.BytesIO(data))
-        im.load()
-    except Exception as exc:  # noqa: BLE001
-        raise InvalidImage(what, f"cannot decode the mask: {exc}") from exc
+    im = _decode(data, what, "cannot decode the mask")
     if im.mode != "L":
         raise InvalidImage(what, f"mask must be single-channel 8-bit, not mode {im.mode}")
     return im
