@@ -622,8 +622,8 @@ class _Epoch:
 
     Assembly (:meth:`deliver`, :meth:`finish`) puts finished batches in
     ``outbox``; the :class:`Run` hands them to the consumer once this epoch is
-    the current one. ``partial_bytes`` counts delivered bytes not yet in a
-    handed-over batch (the batch being filled, and in-order samples held back).
+    the current one. ``pending_bytes`` counts delivered bytes not yet handed
+    over (the batch being filled, in-order samples held back, the outbox).
     """
 
     def __init__(self, plan: EpochPlan, done: DoneSet | None, *, batch_size: int, in_order: bool) -> None:
@@ -644,7 +644,7 @@ class _Epoch:
         self.done_before = set(self.completed.beyond())  # delivered before a resume
         self.skipped: list[int] = []
         self.skipped_count = 0
-        self.partial_bytes = 0
+        self.pending_bytes = 0
         self.outbox: list[Batch] = []  # finished batches not yet handed to the consumer
         self.finished = False  # its end has been emitted
 
@@ -662,7 +662,7 @@ class _Epoch:
     # --- batch assembly ----------------------------------------------------------
     def deliver(self, pos: int, sample: Sample | None, nbytes: int) -> None:
         """Position ``pos`` is done: ``sample`` (None: skipped) of ``nbytes``."""
-        self.partial_bytes += nbytes
+        self.pending_bytes += nbytes
         if not self.in_order:
             self._take(pos, sample)
             return
@@ -697,7 +697,6 @@ class _Epoch:
             skipped=tuple(self.skipped),
         ))
         self.skipped = []
-        self.partial_bytes -= nbytes
 
     def finish(self, drop_last: bool) -> tuple[EndOfEpoch, int]:
         """Flush (or drop) the last partial batch; the end marker and the bytes dropped."""
@@ -707,7 +706,7 @@ class _Epoch:
             if drop_last:
                 dropped = [p for p, _ in self.batch]
                 nbytes = sum(len(s.data) for _, s in self.batch)
-                self.partial_bytes -= nbytes
+                self.pending_bytes -= nbytes
                 self.batch = []
             else:
                 self._flush()
@@ -864,6 +863,7 @@ class Run:
         """Emit ``ep``'s finished batches, if it is the current epoch."""
         if ep is self.current and ep.outbox:
             for batch in ep.outbox:
+                ep.pending_bytes -= batch.nbytes
                 self._emit(batch)
             ep.outbox = []
 
@@ -887,13 +887,11 @@ class Run:
             return True
         # progress guarantee for the current epoch: with none of its requests in
         # flight and nothing of it waiting for the consumer, one request may go
-        return not ep.active and self.ready_bytes - self._ahead_bytes() - ep.partial_bytes <= 0
+        return not ep.active and self.ready_bytes - self._ahead_bytes() - ep.pending_bytes <= 0
 
     def _ahead_bytes(self) -> int:
-        ahead = self.ahead
-        if ahead is None:
-            return 0
-        return ahead.partial_bytes + sum(b.nbytes for b in ahead.outbox)
+        """Bytes the look-ahead epoch holds (delivered, waiting for its turn)."""
+        return 0 if self.ahead is None else self.ahead.pending_bytes
 
     def _dispatch(self, now: float) -> float:
         """Send what may go now, the current epoch first; return when to look
