@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import gc
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -15,9 +13,8 @@ from dataclasses import dataclass
 
 from dataferry.schema._table import format_table
 
-__all__ = ["Measurement", "measure_loader", "prepared_store", "median_of", "table", "cpu_seconds", "announced",
-           "data_server", "all_ids",
-           "live_descendants"]
+__all__ = ["Measurement", "measure_loader", "prepared_store", "table", "cpu_seconds", "announced", "data_server",
+           "all_ids", "store_samples", "live_descendants"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,16 +151,6 @@ def measure_loader(make: Callable[[], Iterator], *, seconds: float, max_samples:
                        *inflight)
 
 
-def median_of(runs: list[Measurement]) -> Measurement:
-    def med(f):
-        return statistics.median(f(r) for r in runs)
-
-    # the run whose throughput is the median, with median first-batch and CPU
-    ordered = sorted(runs, key=lambda r: r.samples_per_s)
-    mid = ordered[len(ordered) // 2]
-    return dataclasses.replace(mid, first_batch=med(lambda r: r.first_batch))
-
-
 def table(header: list[str], rows: list[list[str]]) -> str:
     """A markdown table (the one formatter, shared with the CLI)."""
     return format_table(header, rows, markdown=True)
@@ -178,6 +165,33 @@ def all_ids(store_url: str, dataset: str = "bench") -> list[int]:
             return (await store.read_split(dataset, ALL_SPLIT)).ids.tolist()
 
     return asyncio.run(go())
+
+
+def store_samples(store_url: str, dataset: str, ids: Sequence[int] | None = None,
+                  chunk: int = 256) -> Iterator[tuple[int, bytes, int]]:
+    """``(id, stored bytes, label)`` of ``ids`` (default: the ``all`` split), in that order, read ``chunk``
+    at a time from one open store."""
+    from dataferry.schema import Sample, open_store
+
+    async def fetch(store, wanted: list[int]) -> dict[int, Sample]:
+        got = {}
+        async for result in store.fetch(dataset, wanted):
+            if not isinstance(result, Sample):
+                raise result
+            got[result.id] = result
+        return got
+
+    order = list(ids) if ids is not None else all_ids(store_url, dataset)
+    with asyncio.Runner() as runner:
+        store = runner.run(open_store(store_url, create=False))
+        try:
+            for start in range(0, len(order), chunk):
+                wanted = order[start:start + chunk]
+                got = runner.run(fetch(store, wanted))
+                for i in wanted:  # the given order, not completion order
+                    yield i, got[i].data, got[i].label
+        finally:
+            runner.run(store.close())
 
 
 @contextlib.contextmanager

@@ -31,7 +31,6 @@ Credentials are dummies (moto accepts any) and are never printed.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import os
@@ -42,10 +41,11 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ._common import all_ids, announced
+from ._common import all_ids, announced, store_samples
 from ._loaders import collate_list
 
-__all__ = ["PEERS", "S3Datasets", "available", "s3_datasets", "s3_server", "mosaic", "litdata", "read_epoch", "store_samples"]
+__all__ = ["PEERS", "S3Datasets", "available", "s3_datasets", "s3_server", "mosaic", "litdata", "read_epoch",
+           "store_samples"]
 
 #: peer name -> what it is
 PEERS: dict[str, str] = {
@@ -120,27 +120,6 @@ def _s3_client(endpoint_url: str):
 
     return boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=_REGION,
                                           aws_access_key_id=_KEY, aws_secret_access_key=_KEY)
-
-
-def store_samples(store_url: str, dataset: str, ids: Sequence[int] | None = None, chunk: int = 256) -> Iterator[Sample]:
-    """``(id, bytes, label)`` of ``ids`` (default: the ``all`` split), in that order."""
-    from dataferry.schema import Sample as StoredSample, open_store
-
-    async def fetch(wanted: list[int]) -> dict[int, StoredSample]:
-        got = {}
-        async with await open_store(store_url, create=False) as store:
-            async for result in store.fetch(dataset, wanted):
-                if not isinstance(result, StoredSample):
-                    raise result
-                got[result.id] = result
-        return got
-
-    order = list(ids) if ids is not None else all_ids(store_url, dataset)
-    for start in range(0, len(order), chunk):
-        wanted = order[start:start + chunk]
-        got = asyncio.run(fetch(wanted))
-        for i in wanted:  # the given order, not completion order
-            yield i, got[i].data, got[i].label
 
 
 def _litdata_item(ids: list[int], *, store_url: str, dataset: str):

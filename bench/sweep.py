@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._common import Measurement, all_ids, data_server, measure_loader, prepared_store
-from ._links import Condition, NamespaceLink, ProxyLink
+from ._links import Condition, NamespaceLink
 
 __all__ = ["LOADERS", "SweepOptions", "Run", "Sweep", "run_sweep", "summarize", "run_and_report", "write_results",
            "read_runs"]

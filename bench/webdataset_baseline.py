@@ -26,13 +26,12 @@ without a shard has nothing to read).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
 from collections.abc import Sequence
 
-from ._common import announced
+from ._common import announced, store_samples
 from ._loaders import Batches, collate_list, quiet_worker_count
 
 __all__ = ["write_shards", "shard_size", "file_server", "webdataset_loader"]
@@ -49,27 +48,12 @@ def write_shards(store_url: str, dataset: str, folder: str, *, shard_bytes: int,
     order of its ``all`` split; return the shard file names, in order."""
     import webdataset as wds
 
-    from dataferry.schema import ALL_SPLIT, Sample, open_store
-
     os.makedirs(folder, exist_ok=True)
     pattern = os.path.join(folder, f"{dataset}-%06d.tar")
-
-    async def go():
-        async with await open_store(store_url, create=False) as store:
-            ids = (await store.read_split(dataset, ALL_SPLIT)).ids.tolist()
-            # maxcount: the size decides, not the count
-            with wds.ShardWriter(pattern, maxsize=shard_bytes, maxcount=1 << 40, verbose=0) as sink:
-                for start in range(0, len(ids), chunk):
-                    part = ids[start:start + chunk]
-                    got = {}
-                    async for result in store.fetch(dataset, part):
-                        if not isinstance(result, Sample):
-                            raise result
-                        got[result.id] = result
-                    for i in part:  # the split's order, not completion order
-                        sink.write({"__key__": str(i), "jpg": got[i].data, "cls": got[i].label})
-
-    asyncio.run(go())
+    # maxcount: the size decides, not the count
+    with wds.ShardWriter(pattern, maxsize=shard_bytes, maxcount=1 << 40, verbose=0) as sink:
+        for i, data, label in store_samples(store_url, dataset, chunk=chunk):
+            sink.write({"__key__": str(i), "jpg": data, "cls": label})
     return sorted(name for name in os.listdir(folder) if name.startswith(f"{dataset}-") and name.endswith(".tar"))
 
 
