@@ -271,13 +271,11 @@ def _source_lossless(im: Image.Image, head: bytes) -> bool:
 def _sniff(name: str, path: str | None, data: bytes | None) -> tuple[str, bool]:
     """``(PIL format, lossless)`` from the header; ``("?", False)`` when unreadable (validation says why)."""
     try:
-        if data is None:
-            with open(path, "rb") as fh:
-                head = fh.read(64)
-            with Image.open(path) as im:
+        with (open(path, "rb") if data is None else io.BytesIO(data)) as fh:
+            head = fh.read(64)
+            fh.seek(0)
+            with Image.open(fh) as im:
                 return im.format or "?", _source_lossless(im, head)
-        with Image.open(io.BytesIO(data)) as im:
-            return im.format or "?", _source_lossless(im, data[:64])
     except Exception:  # noqa: BLE001 - a file ingest will reject; measuring reports the reason
         return "?", False
 
@@ -394,7 +392,7 @@ def measure(jobs: Sequence[tuple[str, str | None, bytes | None]], *, source: str
                 gpu_rate = dali_decode_rate([c.blob for c in cells], device=dali[0])
             except Exception as exc:  # noqa: BLE001 - a format DALI does not decode (GIF): the row says so
                 gpu_error = _first_line(exc)
-        rows.append(replace(_aggregate(s, valid, cells, cores, gpu_rate), gpu_error=gpu_error))
+        rows.append(_aggregate(s, valid, cells, cores, gpu_rate, gpu_error))
     measured = {r.name for r in valid}
     formats = Counter(fmt for (name, _, _), (fmt, _) in zip(jobs, sniffed) if name in measured)
     return Advice(source, num_images, tuple(r.name for r in valid), rejected, tuple(formats.most_common()), kind,
@@ -402,7 +400,7 @@ def measure(jobs: Sequence[tuple[str, str | None, bytes | None]], *, source: str
 
 
 def _aggregate(s: Strategy, valid: Sequence[_ImageResult], cells: Sequence[_Cell], cores: int,
-               gpu_rate: float | None) -> Measurement:
+               gpu_rate: float | None, gpu_error: str | None) -> Measurement:
     n = len(cells)
     decode_s = sum(c.decode_s for c in cells) / n
     sq_err, values = sum(c.sq_err for c in cells), sum(c.values for c in cells)
@@ -413,6 +411,7 @@ def _aggregate(s: Strategy, valid: Sequence[_ImageResult], cells: Sequence[_Cell
         encode_s=sum(c.encode_s for c in cells) / n, decode_s=decode_s,
         cpu_rate=cores / max(decode_s, 1e-9), gpu_rate=gpu_rate, psnr=psnr, exact=sq_err == 0, resized=resized,
         long_in=sum(max(r.width, r.height) for r in valid) / n, long_out=sum(max(c.width, c.height) for c in cells) / n,
+        gpu_error=gpu_error,
     )
 
 
