@@ -9,8 +9,6 @@ for the intervals after the first (warm-up). Nothing here asserts a rate.
 
 from __future__ import annotations
 
-import asyncio
-import io
 import logging
 import re
 import time
@@ -21,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from faults import QueueingSource
+from faults import Faults, FaultySource, QueueingSource
 
 from dataferry.client import Loader, MemorySource, Prefetch
 from dataferry.client._attribution import LIMITS
@@ -58,29 +56,10 @@ def assert_named(limits: list[str], want: str) -> None:
     assert Counter(limits)[want] >= 0.8 * len(limits), limits
 
 
-class SlowStore:
-    """A real store whose every fetch first takes ``delay`` seconds (a slow disk)."""
-
-    def __init__(self, inner, delay: float) -> None:
-        self.inner, self.delay = inner, delay
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    async def fetch(self, dataset, ids):
-        await asyncio.sleep(self.delay)
-        async for result in self.inner.fetch(dataset, ids):
-            yield result
-
-
 def big_jpeg(side: int = 1024) -> bytes:
-    from PIL import Image
+    from test_torch_path import jpeg  # imports torch: only from the tests that need it
 
-    rng = np.random.default_rng(0)
-    low = rng.integers(0, 256, (side // 8 + 2, side // 8 + 2, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(low).resize((side, side), Image.Resampling.BILINEAR).save(buf, "JPEG", quality=90)
-    return buf.getvalue()
+    return jpeg(np.random.default_rng(0), side, side)
 
 
 def synthetic(n: int = 20000, size: int = 512, **kw) -> MemorySource:
@@ -141,7 +120,8 @@ def test_queueing_at_the_real_service_is_named_service(tmp_path):
 
     async def build():
         store = await open_store(url, create=False)
-        return make_app(SlowStore(store, 0.02), ServerOptions(max_concurrent=2, queue_timeout=30))
+        slow = FaultySource(store, Faults(slow=1.0, slow_delay=0.02))  # every fetch first takes 20 ms (a slow disk)
+        return make_app(slow, ServerOptions(max_concurrent=2, queue_timeout=30))
 
     with live_server(build) as live:
         with Loader(live.base, "d", batch_size=32, prefetch=Prefetch(max_inflight=16, request_size=16),

@@ -7,7 +7,6 @@ GPU machine nvJPEG2000 through ``mixed``), masks included.
 
 from __future__ import annotations
 
-import io
 import subprocess
 import sys
 
@@ -17,12 +16,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from PIL import Image  # noqa: E402
-from test_torch_path import check_coordinates, coord_image, run_epochs  # noqa: E402
+from test_torch_path import check_coordinates, coord_image, coord_samples, png, run_epochs  # noqa: E402
 
 from dataferry.client import Loader, MemorySource  # noqa: E402
 from dataferry.client._torch import TorchIterator  # noqa: E402
 from dataferry.client._transforms import TrainTransform, check_mask, image_size  # noqa: E402
-from dataferry.schema import Sample, encode_mask  # noqa: E402
+from dataferry.schema import encode_mask  # noqa: E402
 from dataferry.schema._errors import ConfigError, InvalidImage  # noqa: E402
 from dataferry.schema._validate import ValidateOptions, validate_bytes  # noqa: E402
 
@@ -96,26 +95,9 @@ def _has_dali() -> bool:
     return True
 
 
-def jp2_coord_samples(n: int, *, seed: int = 1) -> list[Sample]:
-    """``coord_samples`` of test_torch_path, image and mask stored as lossless JPEG 2000."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        arr = coord_image(int(rng.integers(60, 140)), int(rng.integers(60, 140)))
-        img = validate_bytes("coords", _png(arr), ValidateOptions(format="jpeg2000")).data
-        out.append(Sample(i, 0, img, encode_mask(arr[..., 0], "jpeg2000")))
-    return out
-
-
-def _png(arr: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, "PNG")
-    return buf.getvalue()
-
-
 @pytest.mark.parametrize("path", ["torch", "dali"])
 def test_jpeg2000_masks_move_with_their_images(path):
-    samples = jp2_coord_samples(24)
+    samples = coord_samples(24, format="jpeg2000")
     assert all(s.data[:12] == b"\x00\x00\x00\x0cjP  \r\n\x87\n" for s in samples)
     t = TrainTransform(size=32, scale=(0.2, 1.0))
     if path == "torch":
@@ -134,7 +116,7 @@ def test_jpeg2000_masks_move_with_their_images(path):
 
 def test_headers_and_mask_checks_read_jp2():
     arr = coord_image(37, 91)
-    img = validate_bytes("x", _png(arr), ValidateOptions(format="jp2")).data
+    img = validate_bytes("x", png(arr), ValidateOptions(format="jp2")).data
     assert image_size(img) == (37, 91)
     mask = encode_mask(arr[..., 0], "jpeg2000")
     check_mask(mask, (37, 91), "m")

@@ -30,6 +30,7 @@ from dataferry.client._transforms import (  # noqa: E402
 )
 from dataferry.schema import Sample, encode_mask, encode_multilabel  # noqa: E402
 from dataferry.schema._errors import ConfigError, DataferryError, InvalidImage  # noqa: E402
+from dataferry.schema._validate import ValidateOptions, validate_bytes  # noqa: E402
 
 # --- sample makers (shared with test_dali.py) -----------------------------------------------
 
@@ -54,15 +55,24 @@ def coord_image(h: int, w: int) -> np.ndarray:
     return np.stack([xx * 255 // (w - 1), yy * 255 // (h - 1), np.full_like(xx, 128)], -1).astype(np.uint8)
 
 
-def coord_samples(n: int, *, seed: int = 1) -> list[Sample]:
-    """Lossless PNG coordinate images; the mask is the R channel (so it must move with the image)."""
+def png(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def coord_samples(n: int, *, seed: int = 1, format: str = "png") -> list[Sample]:
+    """Lossless coordinate images, image and mask as PNG (or ``format="jpeg2000"``:
+    JP2, as ``ingest --format jpeg2000`` stores them); the mask is the R channel
+    (so it must move with the image)."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
         arr = coord_image(int(rng.integers(60, 140)), int(rng.integers(60, 140)))
-        buf = io.BytesIO()
-        Image.fromarray(arr).save(buf, "PNG")
-        out.append(Sample(i, 0, buf.getvalue(), encode_mask(arr[..., 0])))
+        data = png(arr)
+        if format != "png":
+            data = validate_bytes("coords", data, ValidateOptions(format=format)).data
+        out.append(Sample(i, 0, data, encode_mask(arr[..., 0], format)))
     return out
 
 
