@@ -49,7 +49,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -169,8 +169,9 @@ class _RequestSizer:
     #: lowest part counts: interference from other processes only ever adds CPU)
     SAMPLES, REQUESTS, SECONDS, PARTS = 1024, 8, 0.1, 3
 
-    def __init__(self, size: int, upper: int) -> None:
-        self.size, self.upper = size, max(size, upper)
+    def __init__(self, size: int, cap: Callable[[], int]) -> None:
+        self.size = size
+        self._cap = cap  # the most ids per request now (Link._size_cap), asked when deciding
         self.done = False
         self.settle = 32  # answers to let pass first (the start, or the old size's after a change)
         self._parts: list[float] = []
@@ -203,9 +204,10 @@ class _RequestSizer:
             return None
         per_sample, self._parts, self._cpu0 = min(self._parts), [], None
         n = self.size
+        upper = max(n, self._cap())
         if self._before is None:  # measured at the first size: now at twice that
             self._before = per_sample
-            if n * 2 > self.upper:
+            if n * 2 > upper:
                 self.done = True
                 return n, f"{n} ids per request: {per_sample * 1e6:.1f} us of CPU per sample; the byte budget allows no more"
             self.size = n * 2
@@ -223,10 +225,10 @@ class _RequestSizer:
         # the size past which doubling saves less than SAVING: o/(2m) < SAVING (c + o/m)
         best = overhead * (0.5 - self.SAVING) / (self.SAVING * cost)
         size = n
-        while size < best and size * 2 <= self.upper:
+        while size < best and size * 2 <= upper:
             size *= 2
         self.size = size
-        capped = "; the byte budget allows no more" if size * 2 > self.upper and size < best else ""
+        capped = "; the byte budget allows no more" if size * 2 > upper and size < best else ""
         return size, (f"{small} ids per request took {a * 1e6:.1f} us of CPU per sample, {n} took {b * 1e6:.1f}: "
                       f"about {overhead * 1e6:.0f} us per request and {cost * 1e6:.1f} us per sample, so "
                       f"{size} ids{capped}")
@@ -326,7 +328,7 @@ class Link:
         else:
             # small first: the first batch spread over about eight requests in flight together
             self.request_size = max(4, min(preferred, -(-batch_size // 8)))
-            self.sizer = _RequestSizer(self.request_size, self._size_cap())
+            self.sizer = _RequestSizer(self.request_size, self._size_cap)
         if p.initial_inflight is not None:
             self.window = float(p.initial_inflight)
         elif self.tuned:
@@ -502,7 +504,6 @@ class Link:
         p = self.prefetch
         if self.sizer is not None and samples and not self.sizer.done and self.filled:
             # measured once the window has stopped growing: a growing window costs CPU of its own
-            self.sizer.upper = max(self.sizer.size, self._size_cap())
             change = self.sizer.answered(size, samples, self.window)
             if change is not None:
                 self._resize(*change)
@@ -658,6 +659,11 @@ class _Epoch:
             cur += 1
         self.cursor = cur
         return out
+
+    def uncovered(self, positions: Iterable[int]) -> list[int]:
+        """Those of ``positions`` neither done nor covered by a request in flight."""
+        done, cover = self.completed, self.cover
+        return [p for p in positions if p not in done and not cover.get(p)]
 
     # --- batch assembly ----------------------------------------------------------
     def deliver(self, pos: int, sample: Sample | None, nbytes: int) -> None:
@@ -916,7 +922,7 @@ class Run:
         while self._nreq < self.link.window:
             if ep.retries and ep.retries[0][0] <= now:
                 _, _, positions, attempt = ep.retries[0]
-                positions = [p for p in positions if p not in ep.completed and not ep.cover.get(p)]
+                positions = ep.uncovered(positions)
                 if not positions:
                     heapq.heappop(ep.retries)
                     continue
@@ -949,7 +955,7 @@ class Run:
                 continue
             while ep.retries:
                 _, _, positions, attempt = heapq.heappop(ep.retries)
-                positions = [p for p in positions if p not in ep.completed and not ep.cover.get(p)]
+                positions = ep.uncovered(positions)
                 if positions:
                     self._start(ep, positions, attempt, now)
                     return _INF
@@ -976,7 +982,7 @@ class Run:
 
     def _store_answered(self) -> None:
         if self._fails_in_row >= self.retry.breaker_after:
-            down = asyncio.get_running_loop().time() - (self._down_since or 0.0)
+            down = self._loop.time() - (self._down_since or 0.0)
             log.warning("%s answers again after %.1f s", self._store, down)
         self._fails_in_row = 0
         self._down_since = None
@@ -1082,7 +1088,7 @@ class Run:
         task = req.task
         exc = None if task.cancelled() else task.exception()
         live = ep is self.current or ep is self.ahead
-        missing = [p for ps in req.positions.values() for p in ps if p not in ep.completed and not ep.cover.get(p)]
+        missing = ep.uncovered(itertools.chain.from_iterable(req.positions.values()))
         if task.cancelled():
             pass  # a hedge twin made it redundant, or the epoch was abandoned
         elif exc is None and not missing:
