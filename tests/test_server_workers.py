@@ -20,10 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from dataferry.schema._wire import HEADER
+from dataferry.schema._wire import HEADER, encode_ids
 from server_kit import make_samples, parse_metrics, seed_url
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or not os.path.isdir("/proc"), reason="forks; reads /proc")
@@ -138,10 +137,6 @@ def listening(host: str, port: int) -> bool:
         return sock.getsockname() != sock.getpeername()
 
 
-def fetch_body(ids) -> bytes:
-    return np.asarray(ids, dtype="<i8").tobytes()
-
-
 OCTETS = {"Content-Type": "application/octet-stream"}
 
 
@@ -169,7 +164,7 @@ def test_workers_share_the_port_and_metrics_sum_across_them(served, store_url):
     pids = s.workers(2)
     ids = [x.id for x in make_samples(40, size=3000)]
     for k in range(24):  # a new connection each: the kernel spreads them over the workers' sockets
-        status, body = s.request("POST", "/v1/datasets/d/samples", fetch_body(ids[k % 4 :: 4]), OCTETS)
+        status, body = s.request("POST", "/v1/datasets/d/samples", encode_ids(ids[k % 4 :: 4]), OCTETS)
         assert status == 200 and body[-HEADER.size + 3] == 3  # ends with an END record
     log = s.log.read_text()
     served_by = {int(p) for p in re.findall(r"aiohttp\.access\[(\d+)\]: .* \"POST /v1/datasets/d/samples", log)}
@@ -199,7 +194,7 @@ def test_sigterm_lets_in_flight_responses_finish_then_exits_0_leaving_no_process
         pids = s.workers(2)
         sock = socket.create_connection((s.host, s.port))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
-        body = fetch_body([x.id for x in big])
+        body = encode_ids([x.id for x in big])
         sock.sendall(b"POST /v1/datasets/big/samples HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
         first = sock.recv(1 << 16)
@@ -252,7 +247,7 @@ def test_a_killed_worker_is_restarted_and_its_counts_kept(served):
     pids = s.workers(2)
     ids = [x.id for x in make_samples(40, size=3000)]
     for _ in range(6):
-        assert s.request("POST", "/v1/datasets/d/samples", fetch_body(ids[:5]), OCTETS)[0] == 200
+        assert s.request("POST", "/v1/datasets/d/samples", encode_ids(ids[:5]), OCTETS)[0] == 200
     before = s.metrics()["dataferry_server_samples_served_total"]
     assert before == 30
     os.kill(pids[0], signal.SIGKILL)
@@ -260,7 +255,7 @@ def test_a_killed_worker_is_restarted_and_its_counts_kept(served):
     assert pids[0] not in now and pids[1] in now
     assert f"worker {pids[0]} was killed by SIGKILL; starting another" in s.log.read_text()
     for _ in range(12):  # every new connection is served, the replaced worker's socket included
-        assert s.request("POST", "/v1/datasets/d/samples", fetch_body(ids[:5]), OCTETS)[0] == 200
+        assert s.request("POST", "/v1/datasets/d/samples", encode_ids(ids[:5]), OCTETS)[0] == 200
     assert s.metrics()["dataferry_server_samples_served_total"] == 30 + 60  # the dead worker's 30 kept
     assert s.stop() == 0
 
