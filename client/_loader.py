@@ -160,6 +160,7 @@ class Loader:
         self._claimed = epoch  # the epoch the next iter() walks
         self._ids = ids
         self._split_hash: str | None = None  # content_hash of the id list read
+        self._digest: str | None = None  # its split_digest, which every epoch's plan carries
         self._counters = Counters()  # written on the engine's loop
         self._taken = Taken()  # written by the consumer's thread
         self._link = Link(prefetch, hedge)
@@ -230,17 +231,19 @@ class Loader:
                 retrying(lambda: src.read_split(self.dataset, self.split), self.retry, what, describe_source(src))
             )
         if self._split_hash is None:
-            self._split_hash = content_hash(self._ids)
+            self._split_hash, self._digest = content_hash(self._ids), split_digest(self._ids)
         return self._ids
 
     def _plan_for(self, epoch: int) -> EpochPlan:
         if self._plan is None or self._plan.epoch != epoch:
-            self._plan = make_plan(self._idlist(), epoch, self.plan_options)
+            ids = self._idlist()
+            self._plan = make_plan(ids, epoch, self.plan_options, digest=self._digest)
         return self._plan
 
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
-        n = len(self._plan_for(self.epoch))
+        # every epoch's plan is as long: any plan made will do
+        n = len(self._plan if self._plan is not None else self._plan_for(self.epoch))
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
@@ -273,7 +276,7 @@ class Loader:
         def emit(item, gen=gen):
             q.put((gen, item))
 
-        idlist, options, digest = self._idlist(), self.plan_options, plan.source_digest
+        idlist, options, digest = self._idlist(), self.plan_options, self._digest
 
         def next_plan(epoch: int) -> EpochPlan:
             return make_plan(idlist, epoch, options, digest=digest)
@@ -367,7 +370,8 @@ class Loader:
                 delivered.add(p)
             t.skipped += len(item.skipped)
             self._epoch += 1
-            self._delivered = DoneSet(len(self._plan_for(self._epoch)))
+            # the next epoch's plan is as long; the engine has made it (made here only when asked for)
+            self._delivered = DoneSet(delivered.n)
             self._lt.loop.call_soon_threadsafe(run.consumer_at, self._epoch)
             raise StopIteration
         self._stop_run()
@@ -400,7 +404,8 @@ class Loader:
             raise ConfigError(f"unsupported loader state version {state.get('version')!r}")
         self._stop_run()
         epoch = int(state["epoch"])
-        plan = make_plan(self._idlist(), epoch, self._plan_options)
+        ids = self._idlist()
+        plan = make_plan(ids, epoch, self._plan_options, digest=self._digest)
         if state.get("dataset") == self.dataset and state.get("split") != self.split:
             raise ConfigError(f"loader state is for split {state.get('split')!r} of dataset {self.dataset!r}, "
                               f"this loader reads split {self.split!r}")
