@@ -17,9 +17,8 @@ class DoneSet:
 
     def __init__(self, n: int, frontier: int = 0, beyond: Iterable[int] = ()) -> None:
         self.n = n
-        self.frontier = 0
-        self._beyond: set[int] = set()
         self.frontier = frontier
+        self._beyond: set[int] = set()
         for p in beyond:
             self.add(p)
         self._advance()
