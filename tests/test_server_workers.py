@@ -251,6 +251,7 @@ def test_a_killed_worker_is_restarted_and_its_counts_kept(served):
     before = s.metrics()["dataferry_server_samples_served_total"]
     assert before == 30
     os.kill(pids[0], signal.SIGKILL)
+    wait_gone([pids[0]])  # else the dying worker may still be counted as one of the two
     now = s.workers(2)
     assert pids[0] not in now and pids[1] in now
     assert f"worker {pids[0]} was killed by SIGKILL; starting another" in s.log.read_text()
