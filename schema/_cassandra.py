@@ -117,6 +117,18 @@ def _no_keyspace(exc: BaseException, keyspace: str) -> bool:
     return keyspace.lower() in text and "keyspace" in text and "not exist" in text
 
 
+def _refused_unsent(exc: BaseException) -> bool:
+    """Whether the driver refused a request before sending it because every connection's socket was
+    full (``ConnectionBusy``): safe to send again once the socket drains."""
+    from cassandra.cluster import NoHostAvailable
+    from cassandra.connection import ConnectionBusy
+
+    if isinstance(exc, ConnectionBusy):
+        return True
+    errors = getattr(exc, "errors", None) if isinstance(exc, NoHostAvailable) else None
+    return bool(errors) and all(isinstance(e, ConnectionBusy) for e in errors.values())
+
+
 class CassandraStore:
     """The Cassandra/ScyllaDB store. Open with :func:`dataferry.schema.open_store`."""
 
@@ -268,8 +280,9 @@ class CassandraStore:
         if self._closed:
             raise StoreUnavailable(f"{self._named} is closed")
         if name.startswith(("put_", "del_")) and not self._grown.is_set():
-            # Writes carry the bytes: many on few connections fill their sockets, and the driver fails a
-            # request it cannot queue (ConnectionBusy). They wait for the pool (v1/v2), a connect timeout at most.
+            # Writes carry the bytes: many on few connections fill their sockets, and the driver refuses
+            # what it cannot queue (ConnectionBusy, re-sent below). They wait for the pool (v1/v2) to
+            # spread them, a connect timeout at most.
             try:
                 await asyncio.wait_for(self._grown.wait(), self._opts.connect_timeout)
             except TimeoutError:
@@ -289,10 +302,12 @@ class CassandraStore:
             wake.set()
 
         jobs, more, pending = iter(jobs), True, 0
+        busy: deque = deque()  # jobs the driver refused unsent (its socket was full): sent again
+        busy_since: float | None = None
         limit, sem, issue = self._opts.concurrency, self._sem, self._issue
         while True:
-            while more and pending < limit:
-                job = next(jobs, None)
+            while (busy or more) and pending < limit:
+                job = busy.popleft() if busy else next(jobs, None)
                 if job is None:
                     more = False
                     break
@@ -300,7 +315,7 @@ class CassandraStore:
                 if self._closed:  # closed while this waited: issue nothing more
                     sem.release()
                     raise StoreUnavailable(f"{self._named} is closed")
-                issue(ps, job[1], sink, job[0])
+                issue(ps, job[1], sink, job)
                 pending += 1
             if not pending:
                 return
@@ -308,14 +323,23 @@ class CassandraStore:
                 wake.clear()
                 await wake.wait()
             while done:
-                key, rows, exc = done.popleft()
+                job, rows, exc = done.popleft()
                 pending -= 1
+                if exc is not None and _refused_unsent(exc) and (
+                        busy_since is None or self._loop.time() - busy_since < self._opts.request_timeout):
+                    busy_since = busy_since or self._loop.time()
+                    busy.append(job)
+                    continue
+                key = job[0]
                 if exc is not None:
                     err = self._error(exc, what)
                     if err is exc:
                         raise exc
                     raise err from exc
+                busy_since = None
                 yield key, rows
+            if busy:
+                await asyncio.sleep(0.005)  # let the socket drain before sending the refused again
 
     async def _one(self, name: str, params: tuple, what: str) -> list:
         async with aclosing(self._many(name, [(None, params)], what)) as results:

@@ -182,3 +182,42 @@ def test_writes_right_after_open_stay_within_what_the_growing_pool_carries(datas
     got = run(go())
     assert sorted(s.id for s in got) == list(range(len(samples)))
     assert all(s.data == samples[s.id].data for s in got)
+
+
+def test_requests_the_driver_refuses_unsent_are_sent_again(dataset):
+    """A full socket makes the driver refuse a request before sending it (ConnectionBusy, or
+    NoHostAvailable when every host refused): the store sends it again instead of failing
+    the write or the read; any other failure still fails."""
+    from cassandra.cluster import NoHostAvailable
+    from cassandra.connection import ConnectionBusy
+
+    url, _, _ = dataset
+    name = f"busy_{uuid.uuid4().hex[:8]}"
+    samples = [Sample(i, i % 3, bytes([i % 256]) * 2_000) for i in range(60)]
+
+    async def go():
+        async with await open_store(url, create=False) as store:
+            real, refused, calls = store._issue, [], [0]
+
+            def issue(ps, params, sink, key):  # every third request refused unsent, as the driver does
+                calls[0] += 1
+                if len(refused) < 40 and calls[0] % 3 == 0:
+                    refused.append(key)
+                    err = (ConnectionBusy("full") if len(refused) % 2
+                           else NoHostAvailable("busy", {"h": ConnectionBusy("full")}))
+                    store._inflight += 1
+                    store._idle.clear()
+                    store._loop.call_soon(store._settle, sink, key, None, err)
+                    return
+                real(ps, params, sink, key)
+
+            store._issue = issue
+            await seed(store, name, samples)
+            got = [r async for r in store.fetch(name, np.arange(len(samples)))]
+            store._issue = real
+            return got, refused
+
+    got, refused = run(go())
+    assert refused  # the refusals happened
+    assert sorted(s.id for s in got) == list(range(len(samples)))
+    assert all(s.data == samples[s.id].data for s in got)
