@@ -23,7 +23,8 @@ _WHERE = {
     "_url": "parse_store_url SqliteOptions CassandraOptions DEFAULT_STORE_URL",
     "_tokens": "read_token_file",
     "_ingest": "ingest IngestOptions IngestReport",
-    "_splits": "make_splits",
+    "_splits": "make_splits derive_split DerivedSplit",
+    "_filter": "FilterError parse_filter",
     "_synthetic": "make_synthetic",
     "_targets": "encode_mask encode_multilabel",
 }

@@ -24,10 +24,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ._errors import SampleNotFound
 from ._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo
+
+if TYPE_CHECKING:
+    from ._splits import DerivedSplit
 
 __all__ = ["SampleSource", "Store", "SampleRecord", "FetchResult"]
 
@@ -97,6 +100,15 @@ class Store(SampleSource, Protocol):
         ...
 
     async def delete_split(self, dataset: str, split: str) -> None: ...
+
+    # --- derived splits (``dataferry split --where``, ``Loader(where=)``) ---
+    async def get_derived(self, dataset: str, split: str) -> DerivedSplit | None:
+        """The record of a split computed from a filter; None if ``split`` is not one."""
+        ...
+
+    async def put_derived(self, record: DerivedSplit) -> None:
+        """Create or replace a derived split's record (written before its id list)."""
+        ...
 
     # --- lifetime ----------------------------------------------------------
     async def close(self) -> None:

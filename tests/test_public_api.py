@@ -13,7 +13,7 @@ PUBLIC = {
         "NotFound", "Sample", "SampleMeta", "SampleNotFound", "SampleRecord", "SampleSource",
         "SplitInfo", "SplitNotFound", "SqliteOptions", "Store", "StoreError", "StoreTimeout",
         "StoreUnavailable", "check_name", "open_store", "parse_store_url", "sample_id",
-        "ingest", "IngestOptions", "IngestReport", "make_splits", "make_synthetic", "read_token_file", "encode_mask", "encode_multilabel",
+        "ingest", "IngestOptions", "IngestReport", "make_splits", "derive_split", "DerivedSplit", "FilterError", "parse_filter", "make_synthetic", "read_token_file", "encode_mask", "encode_multilabel",
     ],
     "dataferry.client": [
         "Batch", "ErrorPolicy", "Hedge", "Loader", "LoaderEpoch", "MemorySource",
@@ -32,3 +32,20 @@ def test_all_is_pinned_and_resolves(module):
     assert sorted(mod.__all__) == sorted(PUBLIC[module])
     for name in mod.__all__:
         assert getattr(mod, name) is not None, name
+
+
+@pytest.mark.parametrize("backend", ["dataferry.schema._sqlite:SqliteStore", "dataferry.schema._cassandra:CassandraStore"])
+def test_every_backend_implements_the_whole_store_protocol(backend):
+    import inspect
+
+    from dataferry.schema import Store
+
+    mod, cls = backend.split(":")
+    impl = getattr(importlib.import_module(mod), cls)
+    wanted = [
+        name for name, member in vars(Store).items()
+        if inspect.iscoroutinefunction(member) and not name.startswith("__")
+    ]
+    assert {"get_derived", "put_derived", "fetch", "read_split", "close"} <= set(wanted) | {"fetch"}
+    missing = [name for name in wanted if not inspect.iscoroutinefunction(getattr(impl, name, None))]
+    assert missing == []
