@@ -96,8 +96,13 @@ class SweepOptions:
         unknown = [n for n in self.loaders if n not in LOADERS]
         if unknown or not self.loaders:
             raise ConfigError(f"unknown loaders {unknown or '(none)'}; choose from {', '.join(LOADERS)}")
-        if not self.rtts or min(self.rtts) < 0 or not self.losses or min(self.losses) < 0 or not self.rates:
-            raise ConfigError("RTTs and losses are >= 0, and each list has at least one value")
+        import math
+
+        def bad(values) -> bool:  # NaN compares False with everything: test finiteness, not just the sign
+            return not values or any(not (math.isfinite(v) and v >= 0) for v in values)
+
+        if bad(self.rtts) or bad(self.losses) or not self.rates:
+            raise ConfigError("RTTs and losses are finite and >= 0, and each list has at least one value")
         for name in ("images", "repeats", "batch_size", "workers", "naive_workers", "concurrent_workers", "pool",
                      "concurrency"):
             if getattr(self, name) < 1:
@@ -105,8 +110,9 @@ class SweepOptions:
         for name in ("max_samples", "inflight"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1 (or None: the default), got {getattr(self, name)}")
-        if self.seconds <= 0 or self.shard_mb <= 0 or self.jitter_ms < 0:
-            raise ConfigError("seconds and shard size must be > 0, jitter >= 0")
+        if not (math.isfinite(self.seconds) and self.seconds > 0 and math.isfinite(self.shard_mb)
+                and self.shard_mb > 0 and math.isfinite(self.jitter_ms) and self.jitter_ms >= 0):
+            raise ConfigError("seconds and shard size must be finite and > 0, jitter finite and >= 0")
 
     def conditions(self) -> list[Condition]:
         return [Condition(rtt, loss, rate, self.jitter_ms)

@@ -276,6 +276,11 @@ def test_quick_preset_and_explicit_options(monkeypatch):
         SweepOptions(repeats=0)
     with pytest.raises(ConfigError, match="naive_workers must be at least 1"):
         SweepOptions(naive_workers=0)
+    nan = float("nan")
+    for bad in ({"rtts": (0.0, nan)}, {"losses": (nan,)}, {"seconds": nan}, {"shard_mb": nan}, {"jitter_ms": nan},
+                {"rtts": (float("inf"),)}):
+        with pytest.raises(ConfigError, match="finite"):
+            SweepOptions(**bad)
 
 
 def test_the_default_sweep_has_competent_peers_and_no_tiny_epoch():
