@@ -18,6 +18,7 @@ an epoch's own rate flatters it.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hashlib
 import os
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 from ._common import data_server, table
 
-__all__ = ["StreamDemoOptions", "run_stream_demo"]
+__all__ = ["StreamDemoOptions", "run_stream_demo", "add_cli_arguments", "cli"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,3 +138,24 @@ def run_stream_demo(opts: StreamDemoOptions = StreamDemoOptions()) -> str:
                  f"(min {(stats.min_latency or 0) * 1e3:.0f} ms), waited {stats.wait_fraction:.0%} of the time, "
                  f"peak {stats.peak_bytes / 2**20:.0f} MiB, retries {stats.retries}")
     return "\n".join(lines)
+
+
+# --- ``dataferry demo`` (``schema._cli`` imports this module only for that command) ---
+
+
+def add_cli_arguments(p: argparse.ArgumentParser) -> None:
+    from dataferry.schema._cli import _positive, _store_arg
+
+    p.add_argument("--images", type=_positive, default=600, metavar="N", help="synthetic images (default: 600)")
+    _store_arg(p, "sqlite:dataferry-demo.db")
+    p.add_argument("--rtt", type=float, default=100.0, metavar="MS", help="round trip of the emulated link (default: 100)")
+    p.add_argument("--epochs", type=_positive, default=3, help="epochs to stream (default: 3)")
+    p.add_argument("--naive-seconds", type=float, default=5.0, metavar="S", help="how long the naive loader runs (default: 5)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+
+
+def cli(args: argparse.Namespace) -> int:
+    opts = StreamDemoOptions(images=args.images, store_url=args.store, rtt_ms=args.rtt, epochs=args.epochs,
+                             naive_seconds=args.naive_seconds, progress=False if args.quiet else None)
+    print(run_stream_demo(opts))
+    return 0

@@ -32,6 +32,9 @@ _COMMANDS: dict[str, tuple[str, Configure]] = {}
 _MODULES: dict[str, tuple[str, str]] = {
     "serve": ("dataferry.server._cli", "serve a store's samples over HTTP to remote training jobs"),
     "latency-proxy": ("dataferry.bench._latency_proxy_cli", "a TCP proxy that adds delay, jitter and a bandwidth cap"),
+    "demo": ("dataferry.bench.demo", "ingest synthetic images, serve them, and stream epochs across an emulated WAN link"),
+    "advise": ("dataferry.client._advise_cli",
+               "measure how to store a dataset (original, JPEG qualities, resized, lossless) and recommend one"),
     "bench": ("dataferry.bench.cli", "throughput against RTT, loss and link rate: ours, a naive DataLoader, WebDataset"),
 }
 
@@ -224,80 +227,6 @@ def _run_split(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- advise -----------------------------------------------------------------------
-
-
-@command("advise", "measure how to store a dataset (original, JPEG qualities, resized, lossless) and recommend one")
-def _configure_advise(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", nargs="?", metavar="SRC", help="ImageFolder directory, or a .csv/.jsonl manifest")
-    p.add_argument("--dataset", metavar="NAME",
-                   help="with SRC: the dataset name in the printed ingest command (default: SRC's name); "
-                        "alone: advise on this stored dataset")
-    _store_arg(p)
-    p.add_argument("--sample", type=_positive, default=200, metavar="N", help="images to measure (default: 200)")
-    p.add_argument("--seed", type=int, default=0, help="which images are sampled (default: 0)")
-    p.add_argument("--link", default="1gbit", metavar="RATE",
-                   help="link bandwidth to the training job: 1gbit, 100mbit, 50MB (bytes/s) (default: 1gbit)")
-    p.add_argument("--rtt", default="100ms", metavar="TIME", help="round trip to the training job (default: 100ms)")
-    p.add_argument("--min-psnr", type=float, metavar="DB",
-                   help="the fidelity a recommendation must keep (default: exact for a lossless source, 38 dB "
-                        "otherwise)")
-    p.add_argument("--max-side", type=_positive, metavar="N",
-                   help="allow strategies resized to a maximum side of N or more (measured too); default: full "
-                        "resolution only")
-    p.add_argument("--workers", type=_positive, metavar="N", help="measuring processes (default: one per core)")
-    p.add_argument("--dali", choices=("auto", "gpu", "cpu", "off"), default="auto",
-                   help="the DALI decode column: auto (the GPU's mixed decoder when there is a GPU), gpu, cpu "
-                        "(DALI's CPU decoder), off (default: auto)")
-    p.add_argument("--plot", metavar="FILE", help="also draw the measurements as a PNG chart")
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
-    p.set_defaults(run=_run_advise)
-
-
-def _run_advise(args: argparse.Namespace) -> int:
-    if args.src is None and args.dataset is None:
-        raise ConfigError("advise needs a source: SRC (a folder or manifest), or --dataset NAME for a stored dataset")
-    from ._advise import AdviseOptions, Link, Rules, advise_dataset, advise_source, ingest_command, plot, recommend, render
-    from ._model import check_name
-    from ._units import parse_duration, parse_rate
-
-    link = Link(parse_rate(args.link), parse_duration(args.rtt))
-    rules = Rules(min_psnr=args.min_psnr, max_side=args.max_side)
-    sides = tuple(sorted({512, 384, 256} | ({args.max_side} if args.max_side else set()), reverse=True))
-    options = AdviseOptions(sample=args.sample, seed=args.seed, sides=sides, workers=args.workers,
-                            dali=None if args.dali == "auto" else args.dali, progress=False if args.quiet else None)
-    if args.src is not None:
-        dataset = check_name("dataset", args.dataset or _name_of(args.src))
-        advice = advise_source(args.src, options)
-    else:
-        dataset = check_name("dataset", args.dataset)
-        advice = _run(_with_store(args.store, lambda s: advise_dataset(s, dataset, options), create=False))
-    rec = recommend(advice, link, rules)
-    print(render(advice, link, rules, rec))
-    if args.src is None and rec.row is advice.rows[0]:
-        print(f"keep dataset {dataset!r} as it is stored: nothing to re-ingest")
-    else:
-        print(ingest_command(rec, src=args.src, dataset=dataset, store=args.store))
-        if args.src is None:
-            print(f"(SRC: the folder or manifest {dataset!r} was ingested from; a new dataset name, because ingest "
-                  "keeps the samples a dataset already holds)")
-    if args.plot:
-        plot(advice, link, rec, args.plot)
-        print(f"plot: {args.plot}")
-    return 0
-
-
-def _name_of(src: str) -> str:
-    """A dataset name from a folder or manifest path: ``/data/Pets 2/`` -> ``Pets-2``."""
-    import os
-    import re
-
-    base = os.path.basename(os.path.normpath(os.path.abspath(src)))
-    if os.path.isfile(src):
-        base = os.path.splitext(base)[0]
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", base).strip("-._")[:128] or "dataset"
-
-
 # --- ls -------------------------------------------------------------------------
 
 
@@ -370,29 +299,6 @@ def _run_schema(args: argparse.Namespace) -> int:
         return 0
     applied = _run(apply_schema(opts))
     print(f"schema applied to keyspace {opts.keyspace!r}: {len(applied)} statements (existing objects kept)")
-    return 0
-
-
-# --- demo -------------------------------------------------------------------------
-
-
-@command("demo", "ingest synthetic images, serve them, and stream epochs across an emulated WAN link")
-def _configure_demo(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--images", type=_positive, default=600, metavar="N", help="synthetic images (default: 600)")
-    _store_arg(p, "sqlite:dataferry-demo.db")
-    p.add_argument("--rtt", type=float, default=100.0, metavar="MS", help="round trip of the emulated link (default: 100)")
-    p.add_argument("--epochs", type=_positive, default=3, help="epochs to stream (default: 3)")
-    p.add_argument("--naive-seconds", type=float, default=5.0, metavar="S", help="how long the naive loader runs (default: 5)")
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
-    p.set_defaults(run=_run_demo)
-
-
-def _run_demo(args: argparse.Namespace) -> int:
-    from dataferry.bench.demo import StreamDemoOptions, run_stream_demo
-
-    opts = StreamDemoOptions(images=args.images, store_url=args.store, rtt_ms=args.rtt, epochs=args.epochs,
-                             naive_seconds=args.naive_seconds, progress=False if args.quiet else None)
-    print(run_stream_demo(opts))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""``dataferry advise``: the storage advisor (schema/_advise.py).
+"""``dataferry advise``: the storage advisor (client/_advise.py).
 
 One measurement of a real folder of mixed formats (synthetic ImageNet-like
 JPEGs plus PNG, WebP, BMP, TIFF and GIF photos, a corrupt file and a text
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dataferry.schema._advise import (
+from dataferry.client._advise import (
     DEFAULT_MIN_PSNR, Advice, AdviseOptions, Link, Measurement, Rules, Strategy, advise_source, candidates,
     choose_sample, dali_decode_rate, ingest_command, predict, recommend, render,
 )

@@ -57,8 +57,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 from PIL import Image
 
-from ._errors import ConfigError, InvalidImage
-from ._validate import DEFAULT_MAX_PIXELS, LOSSLESS, ValidateOptions, prepare_image, validate_bytes
+from dataferry.schema._errors import ConfigError, InvalidImage
+from dataferry.schema._validate import DEFAULT_MAX_PIXELS, LOSSLESS, ValidateOptions, prepare_image, validate_bytes
 
 __all__ = [
     "DEFAULT_MIN_PSNR", "Strategy", "candidates", "AdviseOptions", "Link", "Rules", "Measurement", "Advice",
@@ -369,7 +369,7 @@ def _measure_chunk(jobs: Sequence[tuple[str, str | None, bytes | None]], strateg
 def measure(jobs: Sequence[tuple[str, str | None, bytes | None]], *, source: str, num_images: int,
             options: AdviseOptions = AdviseOptions()) -> Advice:
     """Measure every candidate strategy on the sampled ``jobs`` (``(name, path, data)``; see module docs)."""
-    from dataferry.client._hardware import usable_cores
+    from ._hardware import usable_cores
 
     sniffed = [_sniff(name, path, data) for name, path, data in jobs]
     lossless = [ok for fmt, ok in sniffed if fmt != "?"]
@@ -431,7 +431,7 @@ def _run_jobs(jobs, strategies, options: AdviseOptions, keep: bool) -> list[_Ima
             return out
         from concurrent.futures import as_completed
 
-        from ._validate import validator_pool
+        from dataferry.schema._validate import validator_pool
 
         size = max(1, min(8, len(jobs) // (workers * 4)))
         chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
@@ -461,7 +461,7 @@ def _dali_device(choice: str | None) -> tuple[str, str] | None:
 
 def _gpu_name() -> str | None:
     """The GPU DALI's mixed path would use, or None (no GPU, no driver, no CUDA torch, no DALI)."""
-    from dataferry.client._dali import dali_gpu_count
+    from ._dali import dali_gpu_count
 
     if dali_gpu_count() == 0:
         return None
@@ -487,8 +487,8 @@ def dali_decode_rate(blobs: Sequence[bytes], *, device: str = "gpu", batch: int 
     on the current GPU for ``device="gpu"``, the CPU decoder for ``"cpu"``. Wall
     time of ``rounds`` passes over the blobs in batches of ``batch``, after one
     warm-up pass; threads and hardware-decoder share as the DALI iterator's defaults."""
-    from dataferry.client._dali import import_dali
-    from dataferry.client._hardware import decoder_defaults, usable_cores
+    from ._dali import import_dali
+    from ._hardware import decoder_defaults, usable_cores
 
     if not blobs:
         raise ConfigError("nothing to decode: no blobs")
@@ -542,7 +542,7 @@ def dali_decode_rate(blobs: Sequence[bytes], *, device: str = "gpu", batch: int 
 
 def advise_source(src: str, options: AdviseOptions = AdviseOptions()) -> Advice:
     """:func:`measure` a sample of an ImageFolder tree or a manifest, as ``dataferry ingest`` takes."""
-    from ._scan import require_images, scan
+    from dataferry.schema._scan import require_images, scan
 
     source = scan(src)
     require_images(source)
@@ -556,7 +556,7 @@ async def advise_dataset(store, dataset: str, options: AdviseOptions = AdviseOpt
     """:func:`measure` a sample of a stored dataset (its split ``all``): the bytes as stored are the original."""
     import asyncio
 
-    from ._model import ALL_SPLIT
+    from dataferry.schema._model import ALL_SPLIT
 
     await store.get_dataset(dataset)  # DatasetNotFound, naming the store
     idlist = await store.read_split(dataset, ALL_SPLIT)
@@ -648,7 +648,7 @@ def _rate(bps: float) -> str:
 
 def render(advice: Advice, link: Link, rules: Rules, rec: Recommendation) -> str:
     """The report: what was measured, the table, the bound of each row, the recommendation."""
-    from ._table import format_table
+    from dataferry.schema._table import format_table
 
     formats = ", ".join(f"{fmt} {n}" for fmt, n in advice.formats)
     head = [
