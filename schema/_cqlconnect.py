@@ -111,10 +111,20 @@ def _mend_libev_timer(connection_class) -> None:
 _READ_SIZE = 256 << 10
 
 
-def _connection_class(base):
+#: the CQL version a connection asks for when it skips OPTIONS: every server since Cassandra 1.2
+#: (and ScyllaDB) accepts it, and it is what the Java driver always sends
+_CQL_VERSION = "3.0.0"
+
+
+def _connection_class(base, *, named_version: bool = False):
     """A subclass of ``base`` (the driver's reactor connection) for one cluster:
     it reads the socket ``_READ_SIZE`` at a time, parses the frames of each read
     before the next (libev), and knows its connections (``opened``).
+
+    ``named_version`` (the URL names the protocol version): a connection sends
+    STARTUP first, not OPTIONS (:func:`_startup_first`), and the control
+    connection's REGISTER goes out without waiting for its answer
+    (:func:`_register_pipelined`): a round trip less each.
 
     Every reactor reads ``Connection.in_buffer_size`` bytes per call; at 4 KiB a
     110 KB sample is 27 reads, each a Python round in the IO thread. And the
@@ -140,7 +150,69 @@ def _connection_class(base):
     read = _libev_read(base)
     if read is not None:
         attrs["handle_read"] = read
+    if named_version:
+        for name, method in (("_send_options_message", _startup_first(base)),
+                             ("register_watchers", _register_pipelined(base))):
+            if method is not None:
+                attrs[name] = method
     return type(base.__name__, (base,), attrs)
+
+
+def _startup_first(base):
+    """``_send_options_message`` that sends STARTUP straight away; None if ``base`` is not the
+    connection this was written for (then it keeps the driver's OPTIONS round trip).
+
+    The driver asks every new connection's server for its OPTIONS first, to pick a CQL
+    version and a compression. Without compression and with the protocol version named
+    there is nothing to pick: CQL 3.0.0 is accepted everywhere. A server that does not speak
+    the named version answers STARTUP with the same protocol error it would give OPTIONS.
+    """
+    original = getattr(base, "_send_options_message", None)
+    answered = getattr(base, "_handle_options_response", None)
+    if not (callable(original) and callable(answered) and callable(getattr(base, "_send_startup_message", None))
+            and hasattr(base, "cql_version") and hasattr(base, "no_compact")):
+        return None  # (the driver is compiled: its methods' code cannot be inspected, only its names)
+
+    def _send_options_message(self):
+        if self.compression or self.cql_version not in (None, _CQL_VERSION):
+            return original(self)
+        # what the driver's answer to OPTIONS sets when there is no compression to pick
+        self.cql_version, self._compressor = _CQL_VERSION, None
+        self._send_startup_message(None, no_compact=self.no_compact)
+
+    return _send_options_message
+
+
+def _register_pipelined(base):
+    """``register_watchers`` that sends REGISTER without waiting for its answer; None if
+    ``base`` is not the connection this was written for.
+
+    The control connection registers for events, then asks for the peers and the local
+    node: two round trips in the driver, one here (the queries follow REGISTER on the same
+    connection). A REGISTER the server refuses makes the connection defunct, and the driver
+    opens another control connection, as it does when the query fails.
+    """
+    original = getattr(base, "register_watchers", None)
+    if not (callable(original) and callable(getattr(base, "get_request_id", None))
+            and callable(getattr(base, "send_msg", None)) and hasattr(base, "in_flight")):
+        return None
+    from cassandra.connection import ConnectionException
+    from cassandra.protocol import ReadyMessage, RegisterMessage
+
+    def register_watchers(self, type_callback_dict, register_timeout=None):
+        for event_type, callback in type_callback_dict.items():
+            self._push_watchers[event_type].add(callback)
+
+        def registered(response):
+            if not isinstance(response, ReadyMessage):
+                self.defunct(ConnectionException(f"REGISTER for events refused: {response}", self.endpoint))
+
+        with self.lock:
+            request_id = self.get_request_id()
+            self.in_flight += 1
+        self.send_msg(RegisterMessage(event_list=list(type_callback_dict)), request_id, registered)
+
+    return register_watchers
 
 
 def _libev_read(base):
@@ -244,6 +316,19 @@ def _routing(child):
     return _Routing(child)
 
 
+def _skip_peers_v2(cluster) -> None:
+    """The control connection reads ``system.peers``, not ``system.peers_v2`` first.
+
+    ``peers_v2`` exists from Cassandra 4 on, and a server on protocol v1-v3 is older (or
+    was told to speak an older version, and still has ``system.peers``). The driver tries
+    ``peers_v2`` first and falls back on the error: a wasted round trip. The flag is the
+    driver's own (``ControlConnection._uses_peers_v2``, 3.x); left alone if it is absent.
+    """
+    control = getattr(cluster, "control_connection", None)
+    if control is not None and hasattr(type(control), "_uses_peers_v2"):
+        control._uses_peers_v2 = False
+
+
 def open_cluster(opts: CassandraOptions, *, pool: int = 1, **cluster_args):
     """Blocking: ``(cluster, session)`` connected to ``opts``'s hosts; no keyspace is
     set or checked. Raise StoreUnavailable naming the hosts when none answers.
@@ -280,10 +365,12 @@ def open_cluster(opts: CassandraOptions, *, pool: int = 1, **cluster_args):
         ssl_context=_ssl_context(opts),
         compression=False,  # encoded images do not compress
         schema_metadata_enabled=False,  # we need the keyspace only; loaded by the caller
-        connection_class=_connection_class(Cluster.connection_class),
+        connection_class=_connection_class(Cluster.connection_class, named_version=opts.protocol_version is not None),
         **cluster_args,
     )
     _mend_libev_timer(cluster.connection_class)
+    if opts.protocol_version is not None and opts.protocol_version < 4:
+        _skip_peers_v2(cluster)
     if opts.protocol_version is None:
         cluster.protocol_version = ProtocolVersion.V5  # still negotiated, minus the DSE-only versions
     if opts.username:

@@ -221,3 +221,57 @@ def test_requests_the_driver_refuses_unsent_are_sent_again(dataset):
     assert refused  # the refusals happened
     assert sorted(s.id for s in got) == list(range(len(samples)))
     assert all(s.data == samples[s.id].data for s in got)
+
+
+@contextlib.contextmanager
+def exchanges():
+    """Per connection, the driver's messages grouped into exchanges: a new group starts with a
+    message sent after an answer came back on that connection (each group costs a round trip)."""
+    from cassandra.connection import Connection
+
+    groups: dict[int, list[list[str]]] = {}
+    answered: set[int] = set()
+    send, process = Connection.send_msg, Connection.process_msg
+
+    def send_msg(self, msg, *args, **kwargs):
+        mine = groups.setdefault(id(self), [])
+        if not mine or id(self) in answered:
+            mine.append([])
+            answered.discard(id(self))
+        kind = type(msg).__name__.removesuffix("Message")
+        query = getattr(msg, "query", None)
+        mine[-1].append(f"{kind} {query.split(' FROM ')[1].split()[0]}" if isinstance(query, str) and " FROM " in query
+                        else kind)
+        return send(self, msg, *args, **kwargs)
+
+    def process_msg(self, *args, **kwargs):
+        answered.add(id(self))
+        return process(self, *args, **kwargs)
+
+    Connection.send_msg, Connection.process_msg = send_msg, process_msg
+    try:
+        yield groups
+    finally:
+        Connection.send_msg, Connection.process_msg = send, process
+
+
+@pytest.mark.skipif(not V1, reason="the URL names protocol v1 here (Cassandra 1.2)")
+def test_a_named_protocol_version_sets_up_connections_in_the_fewest_exchanges(dataset):
+    """With the version named in the URL there is nothing to negotiate: no OPTIONS (a round
+    trip per connection), no ``system.peers_v2`` (Cassandra 4+ only: a failed round trip on
+    1.2), and the control connection's REGISTER goes out with its peers and local queries."""
+    url, name, data = dataset
+
+    async def go():
+        async with await open_store(_url(url), create=False) as store:
+            ids = (await store.read_split(name, ALL_SPLIT)).ids[:8]
+            return [r async for r in store.fetch(name, ids)]
+
+    with exchanges() as groups:
+        got = run(go())
+    assert sorted(s.id for s in got) == list(range(8)) and all(s.data == data[s.id] for s in got)
+    control = next(g for g in groups.values() if any(m == "Register" for grp in g for m in grp))
+    assert control[:2] == [["Startup"], ["Register", "Query system.peers", "Query system.local"]], control
+    for conn in groups.values():
+        assert conn[0] == ["Startup"], conn  # every connection: no OPTIONS first
+        assert not any("peers_v2" in m for g in conn for m in g), conn
