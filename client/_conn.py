@@ -37,6 +37,9 @@ __all__ = ["Pool", "Connection", "Head", "HttpProtocolError", "Unreachable", "re
 #: bytes asked of the socket per read outside a large payload: small, so that
 #: most of a large payload is read straight into its own buffer
 READ_SIZE = 1 << 14
+#: bytes asked of the socket between two chunks: the chunk's CRLF and the next size line
+#: (``\r\n100000\r\n`` for 1 MiB), and the first few bytes of the next chunk
+FRAMING_READ = 64
 #: the largest status line + headers accepted
 MAX_HEAD = 1 << 16
 #: bytes kept of an answer that is not the one expected (an error's JSON body)
@@ -159,6 +162,9 @@ class Connection(asyncio.BufferedProtocol):
             self._buf[: hi - lo] = self._mv[lo:hi]
             self._lo, self._hi = 0, hi - lo
             hi -= lo
+        if self._phase == _BODY and not self._chunk_data_left():
+            # between two chunks: their CRLF and the next size line, then the data straight where it goes
+            return self._mv[hi : hi + FRAMING_READ]
         return self._mv[hi : hi + READ_SIZE]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -431,6 +437,8 @@ class Pool:
             reusable = conn.complete and conn.error is None and conn.keep_alive and not conn.closed
         finally:
             if conn is not None:
+                conn._consumer = conn._on_200 = None  # an idle connection keeps no decoder (nor its arena)
+                conn._phase = _IDLE
                 if reusable:
                     conn.last_used = time.monotonic()
                     self._idle.append(conn)

@@ -121,6 +121,9 @@ class HttpOptions:
     max_record_bytes: int = 1 << 30
     #: bytes of free receive buffers kept for reuse (see ``_buffers.py``)
     spare_buffers: int = 64 << 20
+    #: bytes of one receive arena: samples are read many at a time into arenas
+    #: (``_buffers.py``); one sample kept after its batch keeps its arena from reuse
+    arena: int = 4 << 20
 
     def __post_init__(self) -> None:
         _check(self.connections >= 1, f"connections must be >= 1, not {self.connections}")
@@ -129,6 +132,7 @@ class HttpOptions:
         _check(self.read_buffer >= 1 << 14, "read_buffer must be at least 16 KiB")
         _check(self.max_record_bytes >= 1 << 16, "max_record_bytes must be at least 64 KiB")
         _check(self.spare_buffers >= 0, f"spare_buffers must be >= 0, not {self.spare_buffers}")
+        _check(self.arena >= 1 << 16, f"arena must be at least 64 KiB, not {self.arena}")
 
 
 class TokenRefused(StoreUnavailable):
@@ -189,7 +193,7 @@ class HttpSource:
         #: requests it carries at once (the engine's tuned window stays within it)
         self.max_concurrency = options.connections
         self._pool: Pool | None = pool
-        self._buffers = BufferPool(options.spare_buffers)
+        self._buffers = BufferPool(options.spare_buffers, options.arena)
         self._has_token = token is not None
         u = URL(url)
         host = f"[{u.host}]" if ":" in (u.host or "") else u.host
@@ -227,7 +231,8 @@ class HttpSource:
         path = self._path(dataset, "samples")
         body = encode_ids(ids)
         request = self._request("POST", path, body, IDS_TYPE)
-        decoder = FrameDecoder(dataset, max_record=self.options.max_record_bytes, alloc=self._buffers.take)
+        decoder = FrameDecoder(dataset, max_record=self.options.max_record_bytes, arena=self._buffers.take,
+                               give_back=self._buffers.give_back)
         try:
             async with self._open_pool().exchange(request, FRAMES_TYPE, decoder,
                                                   pause_above=self.options.read_buffer) as conn:

@@ -146,88 +146,76 @@ class _Reader(Protocol):
     async def readexactly(self, n: int) -> bytes: ...
 
 
-_HEAD, _TARGET, _DATA, _ERROR, _DONE = range(5)
-
-
 class FrameDecoder:
     """The records of a batch fetch response body, decoded incrementally.
 
-    Body bytes come in two ways: :meth:`feed` (copied out of the caller's
-    buffer), or straight into the record being read: :meth:`sink` gives the
-    writable view where the next body bytes belong (when at least
-    ``direct_min`` bytes of a payload are still due), and :meth:`sunk` says
-    how many were written there. So a reader can have the socket write a
-    sample's bytes where they will stay: no copy after the socket.
+    The body's bytes land in an *arena* (a large ``bytearray``), one after the
+    other, and each sample's data is a read-only ``memoryview`` slice of it:
+    the arena holds many records, so one socket read carries many samples and
+    no sample gets a buffer of its own. Bytes come in two ways: :meth:`sink`
+    gives the writable view of the arena's free room, where a reader has the
+    socket write the next body bytes (no copy after the socket), and
+    :meth:`sunk` says how many were written there; or :meth:`feed` copies
+    them in. Either way the records complete in those bytes are parsed in one
+    pass, in place.
 
-    Decoded records wait in :attr:`records` (``ready_bytes`` of sample data)
-    until the caller takes them; :attr:`done` is set after END or ERROR.
-    ``alloc(n)`` gives ``(writable, readonly)`` views of ``n`` bytes for a
-    sample's data (the readonly one becomes ``Sample.data``); the default is a
-    ``bytearray`` of its own. Bytes that break the format raise WireFormatError.
+    ``arena(n)`` gives ``(bytearray, start)`` with at least ``n`` free bytes
+    from ``start`` (``BufferPool.take``); ``give_back(bytearray, start)``
+    takes back the room a finished response did not use. A record that does
+    not fit in what is left of its arena moves, with the few bytes of it read
+    so far, to a new one. Decoded records wait in :attr:`records`
+    (``ready_bytes`` of sample data) until the caller takes them; :attr:`done`
+    is set after END or ERROR. Bytes that break the format raise
+    WireFormatError.
     """
 
-    __slots__ = ("dataset", "records", "ready_bytes", "done", "_max", "_alloc", "_min", "_head", "_stage",
-                 "_view", "_pos", "_end", "_rec", "_target")
+    __slots__ = ("dataset", "records", "ready_bytes", "done", "_max", "_arena", "_give_back", "_buf", "_w",
+                 "_ro", "_lo", "_hi", "_need")
 
-    def __init__(self, dataset: str, *, max_record: int = 1 << 30, alloc=None, direct_min: int = 1 << 13) -> None:
+    def __init__(self, dataset: str, *, max_record: int = 1 << 30, arena=None, give_back=None) -> None:
         self.dataset = dataset
         self.records: list[Sample | SampleNotFound | ErrorRecord | EndRecord] = []
         self.ready_bytes = 0
         self.done = False
-        self._max, self._alloc, self._min = max_record, alloc or _own_buffer, direct_min
-        self._head = bytearray()
-        self._stage = _HEAD
-        self._view: memoryview | None = None  # where the payload being read goes
-        self._pos = self._end = 0
-        self._rec: tuple = ()  # (id, label, public data view) of the sample being read
-        self._target: bytes | None = None
+        self._max = max_record
+        self._arena = arena or _own_arena
+        self._give_back = give_back
+        self._buf: bytearray | None = None
+        self._w = self._ro = None  # writable and read-only views of the arena
+        self._lo = self._hi = 0  # the first byte not yet parsed; the first not yet written
+        self._need = HEADER.size  # bytes of the record at _lo, once its header is in (else a header's)
 
     def wanted(self) -> int:
-        """Bytes still due for the header or payload being read (0 once done)."""
-        if self._stage == _HEAD:
-            return HEADER.size - len(self._head)
-        return self._end - self._pos if self._stage != _DONE else 0
+        """Bytes still due for the record (or header) being read (0 once done)."""
+        return 0 if self.done else self._need - (self._hi - self._lo)
 
     def sink(self) -> memoryview | None:
-        """Where the next body bytes go directly, or None (then :meth:`feed`)."""
-        if self._stage == _DATA and self._end - self._pos >= self._min:
-            return self._view[self._pos : self._end]
-        return None
+        """The arena's free room, where the next body bytes go; None once done."""
+        if self.done:
+            return None
+        buf, lo, hi = self._buf, self._lo, self._hi
+        if buf is None or lo + self._need > len(buf) or (hi - lo < HEADER.size and len(buf) - hi < _MIN_ROOM):
+            self._move(max(self._need, _MIN_ROOM))
+        return self._w[self._hi :]
 
     def sunk(self, n: int) -> None:
-        """``n`` bytes were written into the view :meth:`sink` gave."""
-        self._pos += n
-        if self._pos == self._end:
-            self._complete()
+        """``n`` bytes were written at the start of the view :meth:`sink` gave."""
+        self._hi += n
+        if self._hi - self._lo >= self._need:
+            self._parse()
 
     def feed(self, data) -> None:
         """Decode ``data`` (bytes-like): all of it is taken."""
-        mv = memoryview(data)
-        n = len(mv)
-        i = 0
-        size = HEADER.size
+        mv = memoryview(data).cast("B")
+        i, n = 0, len(mv)
         while i < n:
-            stage = self._stage
-            if stage == _HEAD:
-                if not self._head and n - i >= size:
-                    self._header(mv, i)
-                    i += size
-                else:
-                    take = min(size - len(self._head), n - i)
-                    self._head += mv[i : i + take]
-                    i += take
-                    if len(self._head) == size:
-                        head, self._head = self._head, bytearray()
-                        self._header(head, 0)
-            elif stage == _DONE:
+            view = self.sink()
+            if view is None:
                 raise WireFormatError("bytes after the END record")
-            else:
-                take = min(self._end - self._pos, n - i)
-                self._view[self._pos : self._pos + take] = mv[i : i + take]
-                i += take
-                self._pos += take
-                if self._pos == self._end:
-                    self._complete()
+            k = min(len(view), n - i)
+            view[:k] = mv[i : i + k]
+            i += k
+            self.sunk(k)
 
     def take(self) -> list[Sample | SampleNotFound | ErrorRecord | EndRecord]:
         """The records decoded so far, handed over (the list is emptied)."""
@@ -235,76 +223,87 @@ class FrameDecoder:
         self.ready_bytes = 0
         return out
 
-    # --- the states ------------------------------------------------------------------
-    def _header(self, buf, at: int) -> None:
-        magic, version, kind, flags, id_, label, tlen, dlen = HEADER.unpack_from(buf, at)
-        if magic != MAGIC or version != VERSION or kind > END:
-            raise WireFormatError(f"bad record header {bytes(buf[at : at + 8]).hex()} (magic, version or kind)")
-        if tlen + dlen > self._max:
-            raise WireFormatError(f"record of {tlen + dlen} bytes exceeds the limit of {self._max}")
-        if kind == SAMPLE:
-            if not flags & _HAS_TARGET:
-                if tlen:
-                    raise WireFormatError(f"record of sample {id_} has target bytes but no target flag")
-                self._target = None
-                self._data(id_, label, dlen)
-            elif tlen:
-                self._rec = (id_, label, dlen)
-                self._expect(_TARGET, memoryview(bytearray(tlen)))
+    # --- in the arena ------------------------------------------------------------------
+    def _move(self, need: int) -> None:
+        """To a new arena with at least ``need`` bytes of room, the partial record copied over."""
+        old_buf, old, lo, hi = self._buf, self._w, self._lo, self._hi
+        buf, start = self._arena(max(need, hi - lo))
+        self._buf, self._w = buf, memoryview(buf)
+        self._ro = self._w.toreadonly()
+        if hi > lo:
+            self._w[start : start + hi - lo] = old[lo:hi]
+        self._lo, self._hi = start, start + hi - lo
+        if old_buf is not None and self._give_back is not None:
+            del old
+            self._give_back(old_buf, lo)  # what the partial record would have used, for another response
+
+    def _parse(self) -> None:
+        """Every record complete in ``[_lo, _hi)``, in one pass."""
+        buf, ro, lo, hi = self._buf, self._ro, self._lo, self._hi
+        records, append = self.records, self.records.append
+        unpack, size, limit = HEADER.unpack_from, HEADER.size, self._max
+        ready = 0
+        try:
+            while hi - lo >= size:
+                magic, version, kind, flags, id_, label, tlen, dlen = unpack(buf, lo)
+                if magic != MAGIC or version != VERSION or kind > END:
+                    raise WireFormatError(f"bad record header {bytes(buf[lo : lo + 8]).hex()} (magic, version or kind)")
+                if tlen + dlen > limit:
+                    raise WireFormatError(f"record of {tlen + dlen} bytes exceeds the limit of {limit}")
+                end = lo + size + tlen + dlen
+                if end > hi:
+                    self._need = end - lo
+                    break
+                if kind == SAMPLE:
+                    at = end - dlen
+                    if not flags & _HAS_TARGET:
+                        if tlen:
+                            raise WireFormatError(f"record of sample {id_} has target bytes but no target flag")
+                        target = None
+                    else:
+                        target = ro[at - tlen : at].tobytes()
+                    append(Sample(id_, label, ro[at:end] if dlen else b"", target))
+                    ready += dlen
+                elif kind == NOT_FOUND:
+                    append(SampleNotFound(self.dataset, id_))
+                else:
+                    lo = end
+                    self._finish(_error_record(ro[end - dlen : end]) if kind == ERROR else EndRecord(id_), lo)
+                    return
+                lo = end
             else:
-                self._target = b""
-                self._data(id_, label, dlen)
-        elif kind == NOT_FOUND:
-            self.records.append(SampleNotFound(self.dataset, id_))
-        elif kind == ERROR:
-            if dlen:
-                self._expect(_ERROR, memoryview(bytearray(dlen)))
-            else:
-                self._finish(ErrorRecord("store_error", ""))
-        else:
-            self._finish(EndRecord(id_))
+                self._need = size
+        finally:
+            self.ready_bytes += ready
+        self._lo = lo
 
-    def _data(self, id_: int, label: int, dlen: int) -> None:
-        if not dlen:
-            self.records.append(Sample(id_, label, b"", self._target))
-            return
-        writable, public = self._alloc(dlen)
-        self._rec = (id_, label, public)
-        self._expect(_DATA, writable)
-
-    def _expect(self, stage: int, view: memoryview) -> None:
-        self._stage, self._view, self._pos, self._end = stage, view, 0, len(view)
-
-    def _complete(self) -> None:
-        stage, view = self._stage, self._view
-        self._view = None
-        self._stage = _HEAD
-        if stage == _DATA:
-            id_, label, public = self._rec
-            self.records.append(Sample(id_, label, public, self._target))
-            self.ready_bytes += self._end
-        elif stage == _TARGET:
-            self._target = view.tobytes()
-            id_, label, dlen = self._rec
-            self._data(id_, label, dlen)
-        else:
-            raw = view.tobytes()
-            try:
-                doc = json.loads(raw)
-                rec = ErrorRecord(str(doc.get("error", "store_error")), str(doc.get("detail", "")))
-            except (ValueError, AttributeError):
-                rec = ErrorRecord("store_error", raw.decode("utf-8", "replace"))
-            self._finish(rec)
-
-    def _finish(self, rec: ErrorRecord | EndRecord) -> None:
+    def _finish(self, rec: ErrorRecord | EndRecord, lo: int) -> None:
         self.records.append(rec)
-        self._stage = _DONE
         self.done = True
+        if lo != self._hi:
+            raise WireFormatError("bytes after the END record")
+        buf, self._buf, self._w, self._ro = self._buf, None, None, None  # nothing of ours keeps the arena now
+        if self._give_back is not None:
+            self._give_back(buf, lo)
 
 
-def _own_buffer(n: int) -> tuple[memoryview, memoryview]:
-    mv = memoryview(bytearray(n))
-    return mv, mv.toreadonly()
+def _error_record(raw: memoryview) -> ErrorRecord:
+    if not len(raw):
+        return ErrorRecord("store_error", "")
+    raw = raw.tobytes()
+    try:
+        doc = json.loads(raw)
+        return ErrorRecord(str(doc.get("error", "store_error")), str(doc.get("detail", "")))
+    except (ValueError, AttributeError):
+        return ErrorRecord("store_error", raw.decode("utf-8", "replace"))
+
+
+#: the least room asked of an arena (a header always fits)
+_MIN_ROOM = 1 << 16
+
+
+def _own_arena(n: int) -> tuple[bytearray, int]:
+    return bytearray(max(n, 1 << 20)), 0
 
 
 async def read_frames(
@@ -317,7 +316,7 @@ async def read_frames(
     corrupt one WireFormatError. ``max_record`` bounds what one record may
     make the reader allocate.
     """
-    dec = FrameDecoder(dataset, max_record=max_record, direct_min=1 << 62)
+    dec = FrameDecoder(dataset, max_record=max_record)
     while not dec.done:
         dec.feed(await reader.readexactly(dec.wanted()))
         for rec in dec.take():

@@ -61,14 +61,23 @@ def test_large_samples_arrive_byte_exact_as_read_only_views(tmp_path, tls):
 
     got, pool = run(go())
     assert sorted(r.id for r in got) == sorted(want)
+    spans = []
     for r in got:
         w = want[r.id]
         assert isinstance(r.data, memoryview) and r.data.readonly
         assert _digest(r.data) == _digest(w.data) and r.label == w.label and r.target == w.target
         assert r.target is None or isinstance(r.target, bytes)
-        # what the engine's byte budget counts is the sample's size; the buffer holds at most 1/16 more
-        assert len(r.data) == len(w.data) and len(r.data.obj) == size_class(len(w.data)) <= len(w.data) * 17 / 16
-    assert pool.made == 24  # each sample in its own buffer: none was reused while still held
+        assert len(r.data) == len(w.data)  # what the engine's byte budget counts is the sample's size
+        start = np.frombuffer(r.data, np.uint8).ctypes.data
+        spans.append((start, start + len(r.data)))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two samples share a byte
+    # samples are read many to an arena, arenas filled one after the other across the three responses:
+    # what they hold is the samples' bytes plus at most one arena's room not yet used
+    arenas = {id(r.data.obj): r.data.obj for r in got}
+    received = sum(len(r.data) for r in got)
+    assert len(arenas) < len(got) and sum(map(len, arenas.values())) <= received + pool.arena
+    assert pool.made == len(arenas)  # every arena still held: none was reused
 
 
 def test_the_loader_reuses_buffers_and_never_one_still_held(tmp_path):
@@ -87,11 +96,12 @@ def test_the_loader_reuses_buffers_and_never_one_still_held(tmp_path):
     sources = []
 
     async def source(base):
-        sources.append(await HttpSource.open(base))
+        sources.append(await HttpSource.open(base, options=HttpOptions(arena=1 << 18)))
         return sources[-1]
 
     with live_server(make_app_) as live:
         with Loader(lambda: source(live.base), "d", batch_size=16, prefetch=Prefetch(max_bytes=1 << 20)) as loader:
+            # arenas of 6 samples: each kept batch holds a few, the rest are reused
             for epoch in range(4):
                 seen = []
                 for k, batch in enumerate(loader):
@@ -107,22 +117,33 @@ def test_the_loader_reuses_buffers_and_never_one_still_held(tmp_path):
 
 
 def test_buffer_pool_gives_back_only_what_nothing_refers_to():
-    pool = BufferPool(min_size=16)
-    w1, d1 = pool.take(1000)
-    w1[:] = b"a" * 1000
-    as_array = np.frombuffer(d1, np.uint8)  # numpy keeps its own view of the buffer
-    w2, d2 = pool.take(1000)
-    w2[:] = b"b" * 1000
-    tail = d2[10:]  # a slice outlives the sample's view
-    w3, d3 = pool.take(1000)
-    del w1, d1, w2, d2, w3, d3
-    fresh = [pool.take(1000) for _ in range(6)]
-    assert pool.reused == 1  # only the third buffer was free
-    for w, _ in fresh:
-        w[:] = b"z" * 1000
+    pool = BufferPool(arena=1 << 16)
+    a1, at = pool.take(1000)
+    assert at == 0 and len(a1) == 1 << 16
+    a1[:1000] = b"a" * 1000
+    as_array = np.frombuffer(memoryview(a1).toreadonly()[:1000], np.uint8)  # numpy keeps its own view
+    a2, _ = pool.take(1000)
+    a2[:1000] = b"b" * 1000
+    tail = memoryview(a2).toreadonly()[:1000][10:]  # a slice outlives the sample's view
+    a3, _ = pool.take(1000)
+    del a1, a2, a3
+    fresh = [pool.take(1000)[0] for _ in range(6)]
+    assert pool.reused == 1  # only the third arena was free
+    for buf in fresh:
+        buf[:] = b"z" * len(buf)
     assert as_array.tobytes() == b"a" * 1000 and bytes(tail) == b"b" * 990
-    small_w, small = pool.take(8)  # below min_size: not pooled
-    assert len(small) == 8 and small.readonly and pool.made == 8
+    big, at = pool.take(100_000)  # a record larger than an arena gets an arena of its size (1/16 at most more)
+    assert at == 0 and len(big) == size_class(100_000) <= 100_000 * 17 / 16
+
+
+def test_room_a_response_did_not_use_goes_to_the_next():
+    pool = BufferPool(arena=1 << 20)
+    buf, at = pool.take(1000)
+    pool.give_back(buf, 300_000)  # a response ended there
+    again, at2 = pool.take(1000)
+    assert again is buf and at2 == 300_000 and pool.made == 1
+    pool.give_back(buf, len(buf) - 1000)  # too little room to hand on
+    assert pool.take(1000) != (buf, len(buf) - 1000) and pool.made == 2
 
 
 # --- hand-written answers -----------------------------------------------------------------------------------
@@ -255,20 +276,46 @@ def test_a_server_that_stalls_mid_body_is_a_timeout():
 
 
 def test_the_frame_decoder_takes_bytes_fed_or_sunk_alike():
-    dec = FrameDecoder("d", direct_min=1000)
+    rooms = []
+    dec = FrameDecoder("d", arena=lambda n: (bytearray(max(n, 70_000)), 0), give_back=lambda b, at: rooms.append(at))
     dec.feed(BODY[:30])
-    assert dec.sink() is None  # inside A's target: fed only
-    dec.feed(BODY[30:40])
-    view = dec.sink()  # inside A's data (8 bytes in): the rest of it may be written straight there
-    assert view is not None and len(view) == len(A.data) - 8
-    view[:100] = BODY[40:140]
+    view = dec.sink()  # the arena's free room: the rest of the body may be written straight there
+    assert view is not None and len(view) == 70_000 - 30 and dec.wanted() == 28 + 4 + len(A.data) - 30
+    view[:100] = BODY[30:130]
     dec.sunk(100)
-    dec.feed(BODY[140:])
+    assert not dec.records  # A is not complete yet
+    dec.feed(BODY[130:])
     recs = dec.take()
-    assert recs == [A, SampleNotFound("d", 99), B, EndRecord(3)] and dec.done
+    assert recs == [A, SampleNotFound("d", 99), B, EndRecord(3)] and dec.done and dec.sink() is None
+    assert recs[0].data.obj is recs[2].data.obj  # both samples in one arena, without a copy of their own
+    assert rooms == [len(BODY)]  # the room after END goes back for the next response
     with pytest.raises(Exception, match="after the END"):
         dec.feed(b"x")
     assert FrameDecoder("d").wanted() == 28
+
+
+def test_a_record_that_does_not_fit_moves_to_a_new_arena():
+    """A record crossing its arena's end moves, with the bytes read of it so
+    far, to a new arena; one larger than an arena gets its own."""
+    made = []
+
+    def arena(n):
+        made.append(bytearray(max(n, 1 << 16)))
+        return made[-1], 0
+
+    big = Sample(5, 0, os.urandom(200_000))
+    body = b"".join(encode_sample(A)) + b"".join(encode_sample(big)) + b"".join(encode_sample(A)) + encode_end(3)
+    dec = FrameDecoder("d", arena=arena)
+    at = 0
+    while not dec.done:
+        view = dec.sink()
+        k = min(len(view), 40_000, len(body) - at)  # reads of at most 40 KB, as a socket gives them
+        view[:k] = body[at : at + k]
+        at += k
+        dec.sunk(k)
+    assert dec.take() == [A, big, A, EndRecord(3)]
+    # the first A (and big's first bytes, copied over), big alone, the second A and the END
+    assert len(made) == 3 and len(made[1]) == 28 + 200_000
 
 
 # --- the benchmark runs ---------------------------------------------------------------------------------
