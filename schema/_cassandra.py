@@ -129,6 +129,13 @@ def _refused_unsent(exc: BaseException) -> bool:
     return bool(errors) and all(isinstance(e, ConnectionBusy) for e in errors.values())
 
 
+def _shutdown(cluster) -> None:
+    """Blocking: shut ``cluster`` down, with the connections it leaves open (``close_leftovers``:
+    one ``grow_pool`` was opening when the pool closed, or one opened ahead that no pool took)."""
+    cluster.shutdown()
+    close_leftovers(cluster)
+
+
 class CassandraStore:
     """The Cassandra/ScyllaDB store. Open with :func:`dataferry.schema.open_store`."""
 
@@ -161,12 +168,13 @@ class CassandraStore:
     @classmethod
     async def open(cls, opts: CassandraOptions, *, url: str) -> CassandraStore:
         cluster, session = await asyncio.to_thread(open_cluster, opts)
+        grow_pool(cluster, opts)  # beside the prepares; connections it is opening are closed on failure
         prepared = await asyncio.gather(
             *(asyncio.to_thread(cls._prepare, session, n, opts) for n in _EAGER), return_exceptions=True
         )
         failed = next((p for p in prepared if isinstance(p, BaseException)), None)
         if failed is not None:
-            await asyncio.to_thread(cluster.shutdown)
+            await asyncio.to_thread(_shutdown, cluster)
             if not isinstance(failed, Exception):
                 raise failed
             if _no_keyspace(failed, opts.keyspace):
@@ -178,7 +186,7 @@ class CassandraStore:
             raise err from (None if err is failed else failed)
         store = cls(opts, url, cluster, session, dict(zip(_EAGER, prepared)))
         on_new_connection(cluster, store._widen_soon)
-        grow_pool(cluster, opts)  # the keyspace exists: the store will be used
+        store._widen()  # connections that opened before the store listened
         store._background = _quietly(asyncio.to_thread(cluster.refresh_keyspace_metadata, opts.keyspace))
         return store
 
@@ -535,8 +543,7 @@ class CassandraStore:
             await asyncio.to_thread(self._shutdown)
 
     def _shutdown(self) -> None:
-        self._cluster.shutdown()
-        close_leftovers(self._cluster)  # a pool connection grow_pool was opening when the pool closed
+        _shutdown(self._cluster)
 
     async def __aenter__(self) -> CassandraStore:
         return self

@@ -31,14 +31,16 @@ from __future__ import annotations
 
 import math
 import ssl
+import threading
 import time
 import weakref
+from collections import deque
 
 from ._errors import ConfigError, StoreError, StoreTimeout, StoreUnavailable
 from ._url import CassandraOptions, redact_url
 
 __all__ = ["connect", "open_cluster", "grow_pool", "pool_capacity", "on_new_connection", "close_leftovers",
-           "translate", "where"]
+           "release_warm", "translate", "where"]
 
 
 def where(opts: CassandraOptions) -> str:
@@ -262,9 +264,130 @@ def pool_capacity(cluster) -> int | None:
     """
     if cluster.protocol_version >= 3:
         return None
+    warm = getattr(cluster, "_warm", None)
+    waiting = warm.waiting() if warm is not None else ()
     live = [c for c in list(cluster.connection_class.opened)
-            if not (c.is_control_connection or c.is_closed or c.is_defunct)]
+            if not (c.is_control_connection or c.is_closed or c.is_defunct or c in waiting)]
     return _STREAMS_V1 * len(live)
+
+
+class _Warm:
+    """Pool connections opened beside the control connection, for the pools to take.
+
+    The driver opens the control connection first (TCP, STARTUP, REGISTER with the
+    peers and local queries: three round trips with a named protocol version), and
+    only then the pools' connections (TCP and STARTUP: two more, after it). Their
+    endpoints are known before: the contact points. So each is opened here at once,
+    in a thread of its own (the socket's connect blocks), and the cluster's
+    ``connection_factory`` hands a pool the one opened for its endpoint (see
+    :func:`_cluster_class`). One that failed is closed, and the pool opens its own,
+    which reports the error as the driver does.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._slots: dict = {}  # endpoint -> deque of slots not yet taken
+        self._threads: list[threading.Thread] = []
+
+    def start(self, cluster, endpoint, n: int) -> None:
+        kwargs = cluster._make_connection_kwargs(endpoint, {"connect_timeout": cluster.connect_timeout})
+        for _ in range(n):
+            slot = {"done": threading.Event(), "conn": None}
+
+            def open_one(slot=slot):
+                try:
+                    slot["conn"] = cluster.connection_class(endpoint, **kwargs)
+                except Exception:  # noqa: BLE001 - the pool opens its own, which raises it as the driver does
+                    pass
+                finally:
+                    slot["done"].set()
+
+            with self._lock:
+                self._slots.setdefault(endpoint, deque()).append(slot)
+            thread = threading.Thread(target=open_one, name="dataferry-cql-warm", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def waiting(self) -> set:
+        """The connections opened and not yet taken."""
+        with self._lock:
+            return {s["conn"] for q in self._slots.values() for s in q if s["conn"] is not None}
+
+    def take(self, endpoint, timeout: float):
+        """A connection opened for ``endpoint``, ready (STARTUP answered); None if none is left or it failed."""
+        with self._lock:
+            queue = self._slots.get(endpoint)
+            slot = queue.popleft() if queue else None
+        if slot is None:
+            return None
+        start = time.monotonic()
+        slot["done"].wait(timeout)
+        conn = slot["conn"]
+        if conn is None:
+            return None
+        conn.connected_event.wait(max(0.0, timeout - (time.monotonic() - start)))
+        if conn.last_error or not conn.connected_event.is_set():
+            conn.close()
+            return None
+        return conn
+
+    def release(self, timeout: float) -> None:
+        """Wait for the openings to end, then close what no pool took."""
+        for thread in self._threads:
+            thread.join(timeout)
+        with self._lock:
+            left = [s["conn"] for q in self._slots.values() for s in q if s["conn"] is not None]
+            self._slots.clear()
+        for conn in left:
+            conn.close()
+
+
+_CLUSTER_CLASS = None
+
+
+def _cluster_class():
+    """``Cluster`` whose ``connection_factory`` gives a pool a connection opened ahead (:class:`_Warm`)."""
+    global _CLUSTER_CLASS
+    if _CLUSTER_CLASS is not None:
+        return _CLUSTER_CLASS
+    from cassandra.cluster import Cluster
+
+    class _Cluster(Cluster):
+        _warm: _Warm | None = None
+
+        def connection_factory(self, endpoint, *args, **kwargs):
+            warm = self._warm
+            if warm is not None and not args and set(kwargs) <= {"on_orphaned_stream_released"}:
+                conn = warm.take(endpoint, self.connect_timeout)
+                if conn is not None:
+                    conn._on_orphaned_stream_released = kwargs.get("on_orphaned_stream_released")
+                    for listener in tuple(getattr(self.connection_class, "listeners", ())):
+                        listener()  # it joins a pool now: the store may allow more in flight
+                    return conn
+            return super().connection_factory(endpoint, *args, **kwargs)
+
+    _CLUSTER_CLASS = _Cluster
+    return _Cluster
+
+
+def _warm_up(cluster, per_host: int) -> bool:
+    """Open ``per_host`` pool connections to each contact point now (:class:`_Warm`); False (and
+    nothing opened) if the driver is not the one this was written for."""
+    if not (isinstance(cluster, _cluster_class()) and hasattr(cluster, "_make_connection_kwargs")
+            and getattr(cluster, "endpoints_resolved", None)):
+        return False
+    warm = cluster._warm = _Warm()
+    for endpoint in cluster.endpoints_resolved:
+        warm.start(cluster, endpoint, per_host)
+    return True
+
+
+def release_warm(cluster) -> None:
+    """Close the connections opened ahead that no pool took (a contact point that is not one
+    of the cluster's nodes as it names them); after the pools are open."""
+    warm = getattr(cluster, "_warm", None)
+    if warm is not None:
+        warm.release(cluster.connect_timeout)
 
 
 def on_new_connection(cluster, callback) -> None:
@@ -280,6 +403,7 @@ def close_leftovers(cluster) -> None:
     open, for good, keeping its IO loop alive. ``shutdown()`` waits for those
     openings to end; this closes what they left.
     """
+    release_warm(cluster)
     for conn in list(getattr(cluster.connection_class, "opened", ())):
         if not conn.is_closed:
             conn.close()
@@ -356,7 +480,7 @@ def open_cluster(opts: CassandraOptions, *, pool: int = 1, **cluster_args):
     )
     if opts.protocol_version is not None:
         cluster_args["protocol_version"] = opts.protocol_version  # explicit: no negotiation
-    cluster = Cluster(
+    cluster = _cluster_class()(
         list(opts.hosts),
         port=opts.port,
         execution_profiles={EXEC_PROFILE_DEFAULT: profile},
@@ -375,14 +499,18 @@ def open_cluster(opts: CassandraOptions, *, pool: int = 1, **cluster_args):
         cluster.protocol_version = ProtocolVersion.V5  # still negotiated, minus the DSE-only versions
     if opts.username:
         cluster.auth_provider = _auth_provider(cluster, opts.username, opts.password)
-    if opts.protocol_version is not None and opts.protocol_version < 3:
-        # known up front: size the pool before it opens
-        cluster.set_max_connections_per_host(HostDistance.LOCAL, max(pool, _pool_size(opts)))
-        cluster.set_core_connections_per_host(HostDistance.LOCAL, pool)
+    if opts.protocol_version is not None:
+        # known up front: the pool's connections open now, beside the control connection
+        v1 = opts.protocol_version < 3
+        warm = _warm_up(cluster, _pool_size(opts) if v1 else 1)
+        if v1:  # and the pool is sized before it opens: whole if warm, else ``pool`` (one after another)
+            cluster.set_max_connections_per_host(HostDistance.LOCAL, max(pool, _pool_size(opts)))
+            cluster.set_core_connections_per_host(HostDistance.LOCAL, _pool_size(opts) if warm else pool)
     try:
         session = cluster.connect()
     except Exception as exc:
         cluster.shutdown()
+        close_leftovers(cluster)
         err = translate(exc, f"cannot connect to cassandra store {where(opts)}")
         raise err from (None if err is exc else exc)
     return cluster, session
@@ -402,8 +530,10 @@ def connect(opts: CassandraOptions, **cluster_args):
         exists = opts.keyspace in _keyspaces(session)
         if exists:  # replica placement for token-aware routing needs the keyspace's replication
             cluster.refresh_keyspace_metadata(opts.keyspace)
+        release_warm(cluster)
     except Exception as exc:
         cluster.shutdown()
+        close_leftovers(cluster)
         err = translate(exc, f"cannot connect to cassandra store {where(opts)}")
         raise err from (None if err is exc else exc)
     return cluster, session, exists

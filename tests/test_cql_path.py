@@ -275,3 +275,49 @@ def test_a_named_protocol_version_sets_up_connections_in_the_fewest_exchanges(da
     for conn in groups.values():
         assert conn[0] == ["Startup"], conn  # every connection: no OPTIONS first
         assert not any("peers_v2" in m for g in conn for m in g), conn
+
+
+@contextlib.contextmanager
+def sent_in_order():
+    """``(connection id, message kind)`` of every message the driver sends while inside, in order."""
+    from cassandra.connection import Connection
+
+    sent: list[tuple[int, str]] = []
+    original = Connection.send_msg
+
+    def send_msg(self, msg, *args, **kwargs):
+        sent.append((id(self), "Read" if _is_sample_read(msg) else type(msg).__name__.removesuffix("Message")))
+        return original(self, msg, *args, **kwargs)
+
+    Connection.send_msg = send_msg
+    try:
+        yield sent
+    finally:
+        Connection.send_msg = original
+
+
+@pytest.mark.skipif(not V1, reason="pools of several connections are protocol v1/v2 only")
+def test_the_pool_opens_beside_the_control_connection(dataset):
+    """The driver opened the pools only once the control connection was set up (three round
+    trips, then two more for each pool connection, then growth in the background). With the
+    version named, the whole pool is opened beside it: every pool connection's STARTUP goes
+    out before the control connection's REGISTER, and the first reads find the pool whole."""
+    url, name, data = dataset
+    host, _, port = url.split("//", 1)[1].split("/", 1)[0].rpartition(":")
+    with ProxyThread((host, int(port)), LinkOptions(delay=0.05)) as proxy:
+        target = f"cassandra://{proxy.address[0]}:{proxy.address[1]}/{url.rsplit('/', 1)[1]}"
+
+        async def go():
+            async with await open_store(_url(target, concurrency=256), create=False) as store:
+                ids = (await store.read_split(name, ALL_SPLIT)).ids[:8]
+                return [r async for r in store.fetch(name, ids)]
+
+        with sent_in_order() as sent:
+            got = run(go())
+    assert sorted(s.id for s in got) == list(range(8)) and all(s.data == data[s.id] for s in got)
+    control = next(c for c, kind in sent if kind == "Register")
+    register = sent.index((control, "Register"))
+    first_read = next(i for i, (_, kind) in enumerate(sent) if kind == "Read")
+    pool = {c for c, kind in sent[:first_read] if kind == "Startup" and c != control}
+    assert len(pool) == 4, sent[:first_read]  # concurrency 256 on v1: 4 connections of 100 requests
+    assert all(i < register for i, (c, kind) in enumerate(sent) if kind == "Startup" and c in pool), sent[:first_read]
