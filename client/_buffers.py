@@ -23,10 +23,15 @@ one sample kept by the consumer keeps its whole arena (at most ``arena``
 bytes, a few dozen samples' worth) from being reused; copy a sample you keep
 for long (``bytes(sample.data)``).
 
-A response that ends with room left in its arena hands that room back
-(:meth:`BufferPool.give_back`): the next response on any connection writes
-after the last record instead of starting an arena of its own, so arenas are
-filled whole however the responses are sized.
+Arenas are shared out in regions: a response asks for what it expects to
+carry (the ids it asked for times the mean record size, 1/16 more), so the
+room a response holds and has not filled stays near its estimate's error
+(the engine's byte budget counts samples' bytes, not arenas); what it did
+not use goes back (:meth:`BufferPool.give_back`) for the next response. An
+arena's last room is handed out whole even when smaller than asked: the
+response moves on to a new region when it is full (copying the part of the
+one record it was reading), so arenas are filled whole however the
+responses are sized.
 
 Sizes are rounded up to one of 16 steps per power of two, and at most
 ``spare_bytes`` of free arenas are kept: more is given back to the allocator.
@@ -55,14 +60,14 @@ def size_class(n: int) -> int:
 _ONLY_US = 2
 #: lent arenas looked at per take
 _LOOKS = 4
-#: room handed back kept at most (one per response that ended with room left)
-_MAX_ROOMS = 64
+#: rooms kept at most (the unused ends of arenas, and what responses handed back)
+_MAX_ROOMS = 16
 
 
 class BufferPool:
-    """Arenas for received samples: ``take(n)`` -> ``(arena, start)``, at least
-    ``n`` writable bytes from ``start``; ``give_back(arena, start)`` returns the
-    unwritten room from ``start`` on."""
+    """Arenas for received samples: ``take(n)`` -> ``(arena, start, stop)``, a
+    region of writable bytes carved from an arena; ``give_back(arena, start,
+    stop)`` returns what a response did not write."""
 
     def __init__(self, spare_bytes: int = 64 << 20, arena: int = ARENA) -> None:
         self.spare_bytes = spare_bytes
@@ -70,15 +75,44 @@ class BufferPool:
         self._free: dict[int, list[bytearray]] = {}
         self._free_bytes = 0
         self._lent: deque[bytearray] = deque()
-        self._rooms: list[tuple[bytearray, int]] = []
+        self._rooms: list[tuple[bytearray, int, int]] = []  # unwritten regions, the newest last
         self.reused = self.made = 0
 
-    def take(self, n: int) -> tuple[bytearray, int]:
+    def take(self, n: int, least: int | None = None) -> tuple[bytearray, int, int]:
+        """A region of ``n`` bytes; or, rather than a new arena, the newest room
+        of at least ``least`` bytes whole (the rest of an arena: the caller
+        moves on to another region when it is full)."""
         rooms = self._rooms
-        while rooms:
-            buf, start = rooms.pop()
-            if len(buf) - start >= n:
-                return buf, start
+        for k in range(len(rooms) - 1, -1, -1):
+            buf, start, stop = rooms[k]
+            if stop - start >= n:
+                del rooms[k]
+                self._room(buf, start + n, stop)
+                return buf, start, start + n
+        if least is not None and rooms and rooms[-1][2] - rooms[-1][1] >= least:
+            return rooms.pop()
+        buf = self._arena(n)
+        self._room(buf, n, len(buf))
+        return buf, 0, n
+
+    def give_back(self, buf: bytearray, start: int, stop: int) -> None:
+        """``buf[start:stop]`` was never written and nothing refers to it: another response may use it."""
+        rooms = self._rooms
+        for k in range(len(rooms) - 1, -1, -1):
+            b, s, e = rooms[k]
+            if b is buf and s == stop:  # the rest of the arena, just after: one room again
+                del rooms[k]
+                stop = e
+                break
+        self._room(buf, start, stop)
+
+    def _room(self, buf: bytearray, start: int, stop: int) -> None:
+        if stop - start >= MIN_ROOM:
+            self._rooms.append((buf, start, stop))
+            if len(self._rooms) > _MAX_ROOMS:
+                del self._rooms[0]
+
+    def _arena(self, n: int) -> bytearray:
         lent = self._lent
         for _ in range(min(_LOOKS, len(lent))):
             if sys.getrefcount(lent[0]) == _ONLY_US:
@@ -95,12 +129,7 @@ class BufferPool:
             buf = bytearray(cap)
             self.made += 1
         lent.append(buf)
-        return buf, 0
-
-    def give_back(self, buf: bytearray, start: int) -> None:
-        """``buf[start:]`` was never written and nothing refers to it: another response may use it."""
-        if len(buf) - start >= MIN_ROOM and len(self._rooms) < _MAX_ROOMS:
-            self._rooms.append((buf, start))
+        return buf
 
     def _keep(self, buf: bytearray) -> None:
         cap = len(buf)

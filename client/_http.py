@@ -194,6 +194,7 @@ class HttpSource:
         self.max_concurrency = options.connections
         self._pool: Pool | None = pool
         self._buffers = BufferPool(options.spare_buffers, options.arena)
+        self._mean_record = 0.0  # bytes per record of the last response (0: none yet)
         self._has_token = token is not None
         u = URL(url)
         host = f"[{u.host}]" if ":" in (u.host or "") else u.host
@@ -232,7 +233,7 @@ class HttpSource:
         body = encode_ids(ids)
         request = self._request("POST", path, body, IDS_TYPE)
         decoder = FrameDecoder(dataset, max_record=self.options.max_record_bytes, arena=self._buffers.take,
-                               give_back=self._buffers.give_back)
+                               give_back=self._buffers.give_back, expect=len(ids), mean=self._mean_record)
         try:
             async with self._open_pool().exchange(request, FRAMES_TYPE, decoder,
                                                   pause_above=self.options.read_buffer) as conn:
@@ -252,6 +253,8 @@ class HttpSource:
                     elif conn.complete:  # the body's end (after END, so the connection goes back to the pool)
                         if not decoder.done:
                             raise ConnectionResetError("the answer ended in the middle of the records")
+                        if decoder.count:  # what the next response's arena region is sized by
+                            self._mean_record = decoder.nbytes / decoder.count
                         return
                     else:
                         await conn.wait()

@@ -149,40 +149,46 @@ class _Reader(Protocol):
 class FrameDecoder:
     """The records of a batch fetch response body, decoded incrementally.
 
-    The body's bytes land in an *arena* (a large ``bytearray``), one after the
-    other, and each sample's data is a read-only ``memoryview`` slice of it:
-    the arena holds many records, so one socket read carries many samples and
-    no sample gets a buffer of its own. Bytes come in two ways: :meth:`sink`
-    gives the writable view of the arena's free room, where a reader has the
-    socket write the next body bytes (no copy after the socket), and
-    :meth:`sunk` says how many were written there; or :meth:`feed` copies
-    them in. Either way the records complete in those bytes are parsed in one
-    pass, in place.
+    The body's bytes land in an *arena* (a region of a large ``bytearray``),
+    one after the other, and each sample's data is a read-only ``memoryview``
+    slice of it: one socket read carries many samples and no sample gets a
+    buffer of its own. Bytes come in two ways: :meth:`sink` gives the writable
+    view of the region's free room, where a reader has the socket write the
+    next body bytes (no copy after the socket), and :meth:`sunk` says how many
+    were written there; or :meth:`feed` copies them in. Either way the records
+    complete in those bytes are parsed in one pass, in place.
 
-    ``arena(n)`` gives ``(bytearray, start)`` with at least ``n`` free bytes
-    from ``start`` (``BufferPool.take``); ``give_back(bytearray, start)``
-    takes back the room a finished response did not use. A record that does
-    not fit in what is left of its arena moves, with the few bytes of it read
-    so far, to a new one. Decoded records wait in :attr:`records`
-    (``ready_bytes`` of sample data) until the caller takes them; :attr:`done`
-    is set after END or ERROR. Bytes that break the format raise
-    WireFormatError.
+    ``arena(n, least)`` gives ``(bytearray, start, stop)``, a region of
+    ``n`` bytes or at least ``least`` (``BufferPool.take``); the decoder asks
+    for what the rest of the response should need: ``expect`` records in all
+    (0: unknown), of the mean size seen so far (``mean`` before the first: a
+    hint from earlier responses), 1/16 more; and at least room for the record
+    being read. A record that does not fit in what is left of its region
+    moves, with the few bytes of it read so far, to a new one.
+    ``give_back(bytearray, start, stop)`` takes back what the decoder did not
+    write, once done. Decoded records wait in :attr:`records` (``ready_bytes``
+    of sample data) until the caller takes them; :attr:`done` is set after END
+    or ERROR; :attr:`count` and :attr:`nbytes` are the records parsed and their
+    bytes. Bytes that break the format raise WireFormatError.
     """
 
-    __slots__ = ("dataset", "records", "ready_bytes", "done", "_max", "_arena", "_give_back", "_buf", "_w",
-                 "_ro", "_lo", "_hi", "_need")
+    __slots__ = ("dataset", "records", "ready_bytes", "done", "count", "nbytes", "_max", "_arena", "_give_back",
+                 "_expect", "_mean", "_buf", "_w", "_ro", "_lo", "_hi", "_stop", "_need")
 
-    def __init__(self, dataset: str, *, max_record: int = 1 << 30, arena=None, give_back=None) -> None:
+    def __init__(self, dataset: str, *, max_record: int = 1 << 30, arena=None, give_back=None, expect: int = 0,
+                 mean: float = 0.0) -> None:
         self.dataset = dataset
         self.records: list[Sample | SampleNotFound | ErrorRecord | EndRecord] = []
         self.ready_bytes = 0
         self.done = False
+        self.count = self.nbytes = 0
         self._max = max_record
         self._arena = arena or _own_arena
         self._give_back = give_back
+        self._expect, self._mean = expect, mean
         self._buf: bytearray | None = None
         self._w = self._ro = None  # writable and read-only views of the arena
-        self._lo = self._hi = 0  # the first byte not yet parsed; the first not yet written
+        self._lo = self._hi = self._stop = 0  # first byte not parsed, first not written, the region's end
         self._need = HEADER.size  # bytes of the record at _lo, once its header is in (else a header's)
 
     def wanted(self) -> int:
@@ -190,13 +196,13 @@ class FrameDecoder:
         return 0 if self.done else self._need - (self._hi - self._lo)
 
     def sink(self) -> memoryview | None:
-        """The arena's free room, where the next body bytes go; None once done."""
+        """The region's free room, where the next body bytes go; None once done."""
         if self.done:
             return None
-        buf, lo, hi = self._buf, self._lo, self._hi
-        if buf is None or lo + self._need > len(buf) or (hi - lo < HEADER.size and len(buf) - hi < _MIN_ROOM):
-            self._move(max(self._need, _MIN_ROOM))
-        return self._w[self._hi :]
+        lo, hi, stop = self._lo, self._hi, self._stop
+        if lo + self._need > stop or (hi - lo < HEADER.size and stop - hi < min(_MIN_ROOM, self._rest())):
+            self._move()
+        return self._w[self._hi : self._stop]
 
     def sunk(self, n: int) -> None:
         """``n`` bytes were written at the start of the view :meth:`sink` gave."""
@@ -224,25 +230,35 @@ class FrameDecoder:
         return out
 
     # --- in the arena ------------------------------------------------------------------
-    def _move(self, need: int) -> None:
-        """To a new arena with at least ``need`` bytes of room, the partial record copied over."""
-        old_buf, old, lo, hi = self._buf, self._w, self._lo, self._hi
-        buf, start = self._arena(max(need, hi - lo))
-        self._buf, self._w = buf, memoryview(buf)
-        self._ro = self._w.toreadonly()
+    def _rest(self) -> int:
+        """Bytes the rest of the response should need (a guess: the region asked for)."""
+        count = self.count
+        mean = self.nbytes / count if count else self._mean
+        if not self._expect or not mean:
+            return _FIRST
+        return int(max(self._expect - count, 0) * mean * 17 / 16) + HEADER.size
+
+    def _move(self) -> None:
+        """To a new region with room for the record at ``_lo``, its bytes read so far copied over."""
+        old_buf, old, lo, hi, stop = self._buf, self._w, self._lo, self._hi, self._stop
+        need = max(self._need, hi - lo)
+        buf, start, self._stop = self._arena(max(need, self._rest()), max(need, _MIN_ROOM))
+        if buf is not old_buf:
+            self._buf, self._w = buf, memoryview(buf)
+            self._ro = self._w.toreadonly()
         if hi > lo:
             self._w[start : start + hi - lo] = old[lo:hi]
         self._lo, self._hi = start, start + hi - lo
         if old_buf is not None and self._give_back is not None:
             del old
-            self._give_back(old_buf, lo)  # what the partial record would have used, for another response
+            self._give_back(old_buf, lo, stop)  # what the partial record would have used, for another response
 
     def _parse(self) -> None:
         """Every record complete in ``[_lo, _hi)``, in one pass."""
         buf, ro, lo, hi = self._buf, self._ro, self._lo, self._hi
-        records, append = self.records, self.records.append
+        append = self.records.append
         unpack, size, limit = HEADER.unpack_from, HEADER.size, self._max
-        ready = 0
+        start, ready = lo, 0
         try:
             while hi - lo >= size:
                 magic, version, kind, flags, id_, label, tlen, dlen = unpack(buf, lo)
@@ -264,17 +280,19 @@ class FrameDecoder:
                         target = ro[at - tlen : at].tobytes()
                     append(Sample(id_, label, ro[at:end] if dlen else b"", target))
                     ready += dlen
+                    self.count += 1
                 elif kind == NOT_FOUND:
                     append(SampleNotFound(self.dataset, id_))
+                    self.count += 1
                 else:
-                    lo = end
-                    self._finish(_error_record(ro[end - dlen : end]) if kind == ERROR else EndRecord(id_), lo)
+                    self._finish(_error_record(ro[end - dlen : end]) if kind == ERROR else EndRecord(id_), end)
                     return
                 lo = end
             else:
                 self._need = size
         finally:
             self.ready_bytes += ready
+            self.nbytes += lo - start
         self._lo = lo
 
     def _finish(self, rec: ErrorRecord | EndRecord, lo: int) -> None:
@@ -284,7 +302,7 @@ class FrameDecoder:
             raise WireFormatError("bytes after the END record")
         buf, self._buf, self._w, self._ro = self._buf, None, None, None  # nothing of ours keeps the arena now
         if self._give_back is not None:
-            self._give_back(buf, lo)
+            self._give_back(buf, lo, self._stop)
 
 
 def _error_record(raw: memoryview) -> ErrorRecord:
@@ -298,12 +316,15 @@ def _error_record(raw: memoryview) -> ErrorRecord:
         return ErrorRecord("store_error", raw.decode("utf-8", "replace"))
 
 
-#: the least room asked of an arena (a header always fits)
+#: the least room worth a read at a record's start (unless the response should need less)
 _MIN_ROOM = 1 << 16
+#: the region asked for while the response's size cannot be guessed
+_FIRST = 1 << 20
 
 
-def _own_arena(n: int) -> tuple[bytearray, int]:
-    return bytearray(max(n, 1 << 20)), 0
+def _own_arena(n: int, least: int = 0) -> tuple[bytearray, int, int]:
+    buf = bytearray(max(n, _MIN_ROOM))
+    return buf, 0, len(buf)
 
 
 async def read_frames(

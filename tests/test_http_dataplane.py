@@ -118,32 +118,38 @@ def test_the_loader_reuses_buffers_and_never_one_still_held(tmp_path):
 
 def test_buffer_pool_gives_back_only_what_nothing_refers_to():
     pool = BufferPool(arena=1 << 16)
-    a1, at = pool.take(1000)
-    assert at == 0 and len(a1) == 1 << 16
+    a1, at, stop = pool.take(1 << 16)  # a whole arena each
+    assert (at, stop, len(a1)) == (0, 1 << 16, 1 << 16)
     a1[:1000] = b"a" * 1000
     as_array = np.frombuffer(memoryview(a1).toreadonly()[:1000], np.uint8)  # numpy keeps its own view
-    a2, _ = pool.take(1000)
+    a2, *_ = pool.take(1 << 16)
     a2[:1000] = b"b" * 1000
     tail = memoryview(a2).toreadonly()[:1000][10:]  # a slice outlives the sample's view
-    a3, _ = pool.take(1000)
+    a3, *_ = pool.take(1 << 16)
     del a1, a2, a3
-    fresh = [pool.take(1000)[0] for _ in range(6)]
+    fresh = [pool.take(1 << 16)[0] for _ in range(6)]
     assert pool.reused == 1  # only the third arena was free
     for buf in fresh:
         buf[:] = b"z" * len(buf)
     assert as_array.tobytes() == b"a" * 1000 and bytes(tail) == b"b" * 990
-    big, at = pool.take(100_000)  # a record larger than an arena gets an arena of its size (1/16 at most more)
-    assert at == 0 and len(big) == size_class(100_000) <= 100_000 * 17 / 16
+    big, at, stop = pool.take(100_000)  # a record larger than an arena: an arena of its size (1/16 at most more)
+    assert (at, stop) == (0, 100_000) and len(big) == size_class(100_000) <= 100_000 * 17 / 16
 
 
-def test_room_a_response_did_not_use_goes_to_the_next():
+def test_arenas_are_shared_out_in_regions_and_filled_whole():
     pool = BufferPool(arena=1 << 20)
-    buf, at = pool.take(1000)
-    pool.give_back(buf, 300_000)  # a response ended there
-    again, at2 = pool.take(1000)
-    assert again is buf and at2 == 300_000 and pool.made == 1
-    pool.give_back(buf, len(buf) - 1000)  # too little room to hand on
-    assert pool.take(1000) != (buf, len(buf) - 1000) and pool.made == 2
+    buf, at, stop = pool.take(300_000)  # a response expecting 300 KB
+    assert (at, stop) == (0, 300_000)
+    other, at2, stop2 = pool.take(300_000)  # another, at the same time: the next region of the same arena
+    assert other is buf and (at2, stop2) == (300_000, 600_000)
+    pool.give_back(buf, 200_000, 300_000)  # the first wrote 200 KB; the second is still reading
+    assert pool.take(300_000)[1:] == (600_000, 900_000)  # the arena's room after the second fits a third
+    pool.give_back(buf, 550_000, 600_000)  # too little to hand on (under 64 KiB)
+    assert pool.take(50_000)[1:] == (900_000, 950_000)
+    assert pool.take(100_000)[1:] == (200_000, 300_000)  # the first's leftover
+    # no room of 200 KB: rather than a new arena, the arena's last room whole
+    assert pool.take(200_000, least=40_000) == (buf, 950_000, 1 << 20) and pool.made == 1
+    assert pool.take(200_000, least=40_000)[1:] == (0, 200_000) and pool.made == 2  # none left of 40 KB
 
 
 # --- hand-written answers -----------------------------------------------------------------------------------
@@ -277,9 +283,10 @@ def test_a_server_that_stalls_mid_body_is_a_timeout():
 
 def test_the_frame_decoder_takes_bytes_fed_or_sunk_alike():
     rooms = []
-    dec = FrameDecoder("d", arena=lambda n: (bytearray(max(n, 70_000)), 0), give_back=lambda b, at: rooms.append(at))
+    dec = FrameDecoder("d", arena=lambda n, least: (bytearray(70_000), 0, 70_000),
+                       give_back=lambda b, at, stop: rooms.append((at, stop)))
     dec.feed(BODY[:30])
-    view = dec.sink()  # the arena's free room: the rest of the body may be written straight there
+    view = dec.sink()  # the region's free room: the rest of the body may be written straight there
     assert view is not None and len(view) == 70_000 - 30 and dec.wanted() == 28 + 4 + len(A.data) - 30
     view[:100] = BODY[30:130]
     dec.sunk(100)
@@ -288,34 +295,44 @@ def test_the_frame_decoder_takes_bytes_fed_or_sunk_alike():
     recs = dec.take()
     assert recs == [A, SampleNotFound("d", 99), B, EndRecord(3)] and dec.done and dec.sink() is None
     assert recs[0].data.obj is recs[2].data.obj  # both samples in one arena, without a copy of their own
-    assert rooms == [len(BODY)]  # the room after END goes back for the next response
+    assert rooms == [(len(BODY), 70_000)]  # the room after END goes back for the next response
+    assert (dec.count, dec.nbytes) == (3, len(BODY) - 28)
     with pytest.raises(Exception, match="after the END"):
         dec.feed(b"x")
     assert FrameDecoder("d").wanted() == 28
 
 
-def test_a_record_that_does_not_fit_moves_to_a_new_arena():
-    """A record crossing its arena's end moves, with the bytes read of it so
-    far, to a new arena; one larger than an arena gets its own."""
-    made = []
+def test_a_record_that_does_not_fit_moves_to_a_new_region():
+    """The decoder asks for the room the rest of the response should need
+    (records expected x mean size seen); a record crossing its region's end
+    moves, with the bytes read of it so far, to a new region; one larger than
+    the arena gets an arena of its own."""
+    pool = BufferPool(arena=1 << 18)
+    big = Sample(5, 0, os.urandom(300_000))
+    small = [Sample(i, 0, os.urandom(20_000 + 1000 * i)) for i in range(6)]
+    records = [*small[:3], big, *small[3:]]
+    body = b"".join(b"".join(encode_sample(r)) for r in records) + encode_end(7)
+    asked = []
 
-    def arena(n):
-        made.append(bytearray(max(n, 1 << 16)))
-        return made[-1], 0
+    def arena(n, least):
+        asked.append(n)
+        return pool.take(n, least)
 
-    big = Sample(5, 0, os.urandom(200_000))
-    body = b"".join(encode_sample(A)) + b"".join(encode_sample(big)) + b"".join(encode_sample(A)) + encode_end(3)
-    dec = FrameDecoder("d", arena=arena)
+    dec = FrameDecoder("d", arena=arena, give_back=pool.give_back, expect=7, mean=20_000)
     at = 0
     while not dec.done:
         view = dec.sink()
-        k = min(len(view), 40_000, len(body) - at)  # reads of at most 40 KB, as a socket gives them
+        k = min(len(view), 30_000, len(body) - at)  # reads of at most 30 KB, as a socket gives them
         view[:k] = body[at : at + k]
         at += k
         dec.sunk(k)
-    assert dec.take() == [A, big, A, EndRecord(3)]
-    # the first A (and big's first bytes, copied over), big alone, the second A and the END
-    assert len(made) == 3 and len(made[1]) == 28 + 200_000
+    got = dec.take()
+    assert got == [*records, EndRecord(7)]
+    assert asked[0] == int(7 * 20_000 * 17 / 16) + 28  # the guess from the hint
+    assert asked[1] == 300_028  # big, which did not fit: a region of its own size, in an arena of its own
+    assert got[3].data.obj is not got[0].data.obj and len(got[3].data.obj) == size_class(300_028)
+    assert got[4].data.obj is got[0].data.obj  # then back to the first arena's room
+    assert pool.made == 2
 
 
 # --- the benchmark runs ---------------------------------------------------------------------------------
