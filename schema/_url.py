@@ -35,12 +35,19 @@ class SqliteOptions:
     ids_per_query: int = 64
     #: seconds a writer waits on a lock held by another process
     busy_timeout: float = 30.0
+    #: bytes of the file each reader reads through mmap (``PRAGMA mmap_size``;
+    #: SQLite caps it, at 2 GiB by default), 0 for none; None: the opener's
+    #: choice: none for a store opened directly (a loader: the mapped pages
+    #: would count in its RSS), as much as SQLite allows under ``dataferry serve``
+    mmap_size: int | None = None
 
     def __post_init__(self) -> None:
         if not self.path:
             raise ConfigError("sqlite store needs a file path")
         if self.readers < 1 or self.ids_per_query < 1 or self.busy_timeout <= 0:
             raise ConfigError(f"sqlite options out of range: {self}")
+        if self.mmap_size is not None and self.mmap_size < 0:
+            raise ConfigError(f"sqlite option mmap_size={self.mmap_size} is negative; 0 turns mmap off")
 
 
 @dataclass(frozen=True, slots=True)
