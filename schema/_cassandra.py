@@ -167,11 +167,19 @@ class CassandraStore:
 
     @classmethod
     async def open(cls, opts: CassandraOptions, *, url: str) -> CassandraStore:
-        cluster, session = await asyncio.to_thread(open_cluster, opts)
+        queries = {n: _STATEMENTS[n][0].format(ks=opts.keyspace) for n in _EAGER}
+        cluster, session, early = await asyncio.to_thread(open_cluster, opts, prepare=tuple(queries.values()))
         grow_pool(cluster, opts)  # beside the prepares; connections it is opening are closed on failure
-        prepared = await asyncio.gather(
-            *(asyncio.to_thread(cls._prepare, session, n, opts) for n in _EAGER), return_exceptions=True
-        )
+
+        async def prepare(name):
+            ps = early.get(queries[name])
+            if ps is None:
+                return await asyncio.to_thread(cls._prepare, session, name, opts)
+            if isinstance(ps, BaseException):
+                raise ps
+            return cls._routed(ps, name)
+
+        prepared = await asyncio.gather(*(prepare(n) for n in _EAGER), return_exceptions=True)
         failed = next((p for p in prepared if isinstance(p, BaseException)), None)
         if failed is not None:
             await asyncio.to_thread(_shutdown, cluster)
@@ -225,8 +233,11 @@ class CassandraStore:
 
     @staticmethod
     def _prepare(session, name: str, opts: CassandraOptions):
-        cql, pk = _STATEMENTS[name]
-        ps = session.prepare(cql.format(ks=opts.keyspace))
+        return CassandraStore._routed(session.prepare(_STATEMENTS[name][0].format(ks=opts.keyspace)), name)
+
+    @staticmethod
+    def _routed(ps, name: str):
+        pk = _STATEMENTS[name][1]
         if ps.routing_key_indexes is None and pk:
             # Protocol < 4 does not say which markers are the partition key.
             ps.routing_key_indexes = list(range(pk))

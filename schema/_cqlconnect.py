@@ -35,6 +35,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Sequence
 
 from ._errors import ConfigError, StoreError, StoreTimeout, StoreUnavailable
 from ._url import CassandraOptions, redact_url
@@ -206,6 +207,8 @@ def _register_pipelined(base):
             self._push_watchers[event_type].add(callback)
 
         def registered(response):
+            with self.lock:
+                self.in_flight -= 1  # the sender's to give back, as the driver's waiters do
             if not isinstance(response, ReadyMessage):
                 self.defunct(ConnectionException(f"REGISTER for events refused: {response}", self.endpoint))
 
@@ -289,14 +292,20 @@ class _Warm:
         self._slots: dict = {}  # endpoint -> deque of slots not yet taken
         self._threads: list[threading.Thread] = []
 
-    def start(self, cluster, endpoint, n: int) -> None:
+        self.prepared: dict = {}  # CQL -> the server's answer to PREPARE (see start)
+
+    def start(self, cluster, endpoint, n: int, prepare: Sequence[str] = ()) -> None:
+        """Open ``n`` connections to ``endpoint``; the first, once ready, also sends a PREPARE
+        for each of ``prepare`` (answers in ``prepared``, before the control connection is done)."""
         kwargs = cluster._make_connection_kwargs(endpoint, {"connect_timeout": cluster.connect_timeout})
-        for _ in range(n):
+        for i in range(n):
             slot = {"done": threading.Event(), "conn": None}
 
-            def open_one(slot=slot):
+            def open_one(slot=slot, queries=prepare if i == 0 else ()):
                 try:
-                    slot["conn"] = cluster.connection_class(endpoint, **kwargs)
+                    conn = slot["conn"] = cluster.connection_class(endpoint, **kwargs)
+                    if queries and conn.connected_event.wait(cluster.connect_timeout) and not conn.last_error:
+                        self._prepare(conn, queries, cluster.connect_timeout)
                 except Exception:  # noqa: BLE001 - the pool opens its own, which raises it as the driver does
                     pass
                 finally:
@@ -307,6 +316,13 @@ class _Warm:
             thread = threading.Thread(target=open_one, name="dataferry-cql-warm", daemon=True)
             self._threads.append(thread)
             thread.start()
+
+    def _prepare(self, conn, queries: Sequence[str], timeout: float) -> None:
+        from cassandra.protocol import PrepareMessage
+
+        answers = conn.wait_for_responses(*(PrepareMessage(query=q) for q in queries), timeout=timeout,
+                                          fail_on_error=False)
+        self.prepared.update(zip(queries, answers))
 
     def waiting(self) -> set:
         """The connections opened and not yet taken."""
@@ -370,16 +386,52 @@ def _cluster_class():
     return _Cluster
 
 
-def _warm_up(cluster, per_host: int) -> bool:
-    """Open ``per_host`` pool connections to each contact point now (:class:`_Warm`); False (and
-    nothing opened) if the driver is not the one this was written for."""
+def _warm_up(cluster, per_host: int, prepare: Sequence[str]) -> bool:
+    """Open ``per_host`` pool connections to each contact point now, and ``prepare`` on the first
+    (:class:`_Warm`); False (and nothing opened) if the driver is not the one this was written for."""
     if not (isinstance(cluster, _cluster_class()) and hasattr(cluster, "_make_connection_kwargs")
             and getattr(cluster, "endpoints_resolved", None)):
         return False
     warm = cluster._warm = _Warm()
-    for endpoint in cluster.endpoints_resolved:
-        warm.start(cluster, endpoint, per_host)
+    for i, endpoint in enumerate(cluster.endpoints_resolved):
+        warm.start(cluster, endpoint, per_host, prepare if i == 0 else ())
     return True
+
+
+def _prepared_early(cluster, queries: Sequence[str]) -> dict:
+    """``{cql: PreparedStatement or the exception the server answered}`` for those of ``queries``
+    that a connection opened ahead prepared (:class:`_Warm`); the rest are left out.
+
+    What ``Session.prepare`` does with the server's answer: the statement is built by
+    ``PreparedStatement.from_message`` and registered with the cluster (so that a node that
+    does not know it gets it again: the driver re-prepares on an UNPREPARED answer). It is
+    prepared on that one node: others learn it on first use, a round trip then, once.
+    """
+    from cassandra import RequestValidationException
+    from cassandra.query import PreparedStatement
+
+    warm = getattr(cluster, "_warm", None)
+    out: dict = {}
+    for query in queries:
+        answer = warm.prepared.get(query) if warm is not None else None
+        if answer is None:
+            continue
+        ok, response = answer
+        if not ok:
+            if isinstance(response, RequestValidationException):  # the server's no (no such keyspace, table)
+                out[query] = response
+            continue  # lost with its connection: prepared the usual way
+        try:
+            ps = PreparedStatement.from_message(
+                response.query_id, response.bind_metadata, response.pk_indexes, cluster.metadata, query, None,
+                cluster.protocol_version, response.column_metadata, response.result_metadata_id,
+                getattr(cluster, "column_encryption_policy", None))
+        except Exception:  # noqa: BLE001 - not the driver this was written for: prepared the usual way
+            continue
+        ps.custom_payload = None
+        cluster.add_prepared(response.query_id, ps)
+        out[query] = ps
+    return out
 
 
 def release_warm(cluster) -> None:
@@ -453,9 +505,15 @@ def _skip_peers_v2(cluster) -> None:
         control._uses_peers_v2 = False
 
 
-def open_cluster(opts: CassandraOptions, *, pool: int = 1, **cluster_args):
-    """Blocking: ``(cluster, session)`` connected to ``opts``'s hosts; no keyspace is
-    set or checked. Raise StoreUnavailable naming the hosts when none answers.
+def open_cluster(opts: CassandraOptions, *, pool: int = 1, prepare: Sequence[str] = (), **cluster_args):
+    """Blocking: ``(cluster, session, prepared)`` connected to ``opts``'s hosts; no keyspace
+    is set or checked. Raise StoreUnavailable naming the hosts when none answers.
+
+    ``prepare``: CQL statements to prepare on the first pool connection while the
+    control connection is still being set up (a URL that names the protocol version);
+    ``prepared`` maps each one prepared so to its ``PreparedStatement``, or to the
+    error the server answered (a missing keyspace or table). Those left out are the
+    caller's to prepare.
 
     ``pool``: connections per host to open now on protocol v1/v2 when the URL
     names the version (the driver opens them one after another); the rest come
@@ -502,7 +560,7 @@ def open_cluster(opts: CassandraOptions, *, pool: int = 1, **cluster_args):
     if opts.protocol_version is not None:
         # known up front: the pool's connections open now, beside the control connection
         v1 = opts.protocol_version < 3
-        warm = _warm_up(cluster, _pool_size(opts) if v1 else 1)
+        warm = _warm_up(cluster, _pool_size(opts) if v1 else 1, prepare)
         if v1:  # and the pool is sized before it opens: whole if warm, else ``pool`` (one after another)
             cluster.set_max_connections_per_host(HostDistance.LOCAL, max(pool, _pool_size(opts)))
             cluster.set_core_connections_per_host(HostDistance.LOCAL, _pool_size(opts) if warm else pool)
@@ -513,7 +571,7 @@ def open_cluster(opts: CassandraOptions, *, pool: int = 1, **cluster_args):
         close_leftovers(cluster)
         err = translate(exc, f"cannot connect to cassandra store {where(opts)}")
         raise err from (None if err is exc else exc)
-    return cluster, session
+    return cluster, session, _prepared_early(cluster, prepare) if prepare else {}
 
 
 def connect(opts: CassandraOptions, **cluster_args):
@@ -525,7 +583,7 @@ def connect(opts: CassandraOptions, **cluster_args):
     plain ``cluster.shutdown()`` ends it. Raise StoreUnavailable naming the
     hosts when none answers. Used by ``schema apply``.
     """
-    cluster, session = open_cluster(opts, pool=_pool_size(opts), **cluster_args)
+    cluster, session, _ = open_cluster(opts, pool=_pool_size(opts), **cluster_args)
     try:
         exists = opts.keyspace in _keyspaces(session)
         if exists:  # replica placement for token-aware routing needs the keyspace's replication

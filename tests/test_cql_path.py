@@ -321,3 +321,69 @@ def test_the_pool_opens_beside_the_control_connection(dataset):
     pool = {c for c, kind in sent[:first_read] if kind == "Startup" and c != control}
     assert len(pool) == 4, sent[:first_read]  # concurrency 256 on v1: 4 connections of 100 requests
     assert all(i < register for i, (c, kind) in enumerate(sent) if kind == "Startup" and c in pool), sent[:first_read]
+
+
+@pytest.mark.skipif(not V1, reason="the URL names protocol v1 here (Cassandra 1.2)")
+def test_the_read_path_is_prepared_before_the_control_connection_is_done(dataset):
+    """The read path's statements were prepared once the session existed: a round trip after
+    the control connection's set-up. With the version named, the first pool connection
+    prepares them as soon as it is ready, while the control connection still waits for its
+    peers and local rows; what comes back is used as ``Session.prepare`` would."""
+    from cassandra.connection import Connection
+
+    url, name, data = dataset
+    host, _, port = url.split("//", 1)[1].split("/", 1)[0].rpartition(":")
+    events: list[tuple[int, str]] = []
+    send, process = Connection.send_msg, Connection.process_msg
+
+    def send_msg(self, msg, *args, **kwargs):
+        events.append((id(self), "Read" if _is_sample_read(msg) else type(msg).__name__.removesuffix("Message")))
+        return send(self, msg, *args, **kwargs)
+
+    def process_msg(self, *args, **kwargs):
+        events.append((id(self), "answer"))
+        return process(self, *args, **kwargs)
+
+    with ProxyThread((host, int(port)), LinkOptions(delay=0.1)) as proxy:
+        target = f"cassandra://{proxy.address[0]}:{proxy.address[1]}/{url.rsplit('/', 1)[1]}"
+
+        async def go():
+            async with await open_store(_url(target), create=False) as store:
+                ids = (await store.read_split(name, ALL_SPLIT)).ids[:8]
+                with sent_messages() as later:
+                    got = [r async for r in store.fetch(name, ids)]
+                return got, later
+
+        Connection.send_msg, Connection.process_msg = send_msg, process_msg
+        try:
+            got, later = run(go())
+        finally:
+            Connection.send_msg, Connection.process_msg = send, process
+    assert sorted(s.id for s in got) == list(range(8)) and all(s.data == data[s.id] for s in got)
+    assert not _prepared(later)  # the statements prepared early are the ones used
+    control = next(c for c, kind in events if kind == "Register")
+    register = events.index((control, "Register"))
+    control_done = next(i for i, (c, kind) in enumerate(events) if c == control and kind == "answer" and i > register)
+    prepares = [i for i, (_, kind) in enumerate(events) if kind == "Prepare"]
+    assert len(prepares) == 4 and max(prepares) < control_done, events
+
+
+@pytest.mark.skipif(not V1, reason="the URL names protocol v1 here (Cassandra 1.2)")
+def test_with_a_named_version_a_missing_keyspace_or_table_still_says_how_to_add_it(cassandra_server):
+    """The statements prepared ahead tell a missing keyspace or table as the usual prepare
+    did, and the connections opened ahead are closed: nothing is left running."""
+    host, port = cassandra_server
+    before = _baseline()
+    missing = f"cassandra://{host}:{port}/dft_missing_{uuid.uuid4().hex[:8]}"
+    with pytest.raises(StoreUnavailable, match=r"does not exist; create it with: dataferry schema apply --store"):
+        run(open_store(_url(missing), create=False))
+    empty = f"cassandra://{host}:{port}/dft_bare_{uuid.uuid4().hex[:8]}"
+    cluster, session, _ = connect(parse_store_url(empty))
+    try:
+        session.execute(f"CREATE KEYSPACE {empty.rsplit('/', 1)[1]} WITH replication = "
+                        "{'class': 'SimpleStrategy', 'replication_factor': '1'}")
+    finally:
+        cluster.shutdown()
+    with pytest.raises(StoreUnavailable, match="dataferry schema apply --store"):
+        run(open_store(_url(empty), create=False))
+    _assert_quiet(before, "stores that failed to open", settle=2.0)
