@@ -108,12 +108,15 @@ def _ids(store_url: str) -> list[int]:
 
 
 # --- the server process ------------------------------------------------------------------------------
-def rss_mb(pids: list[int]) -> float:
+def rss_mb(pids: list[int], field: str = "VmRSS") -> float:
+    """The sum over ``pids`` of one memory line of ``/proc/PID/status`` in MB:
+    ``VmRSS`` (all resident pages), ``RssAnon`` (the heap's: a served SQLite
+    file's mapped pages are ``RssFile``, the page cache's)."""
     total = 0.0
     for p in pids:
         try:
             with open(f"/proc/{p}/status") as fh:
-                total += next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
+                total += next(int(line.split()[1]) for line in fh if line.startswith(f"{field}:")) / 1024
         except (OSError, StopIteration):
             continue
     return total
@@ -261,14 +264,14 @@ def run_once(args: argparse.Namespace, store_url: str, ids: list[int], workers: 
         cpu0, t0 = process_cpu_s(server.pid), time.perf_counter()
         time.sleep(max(0.0, start + args.warmup + args.seconds - time.time()))
         cpu, elapsed = process_cpu_s(server.pid) - cpu0, time.perf_counter() - t0
-        rss = rss_mb(pids)
+        rss, anon = rss_mb(pids), rss_mb(pids, "RssAnon")
         results = [out.get(timeout=120) for _ in procs]
         for p in procs:
             p.join(30)
     samples = sum(r["samples"] for r in results)
     return {
         "workers": workers, "samples_s": samples / elapsed, "mb_s": sum(r["bytes"] for r in results) / elapsed / 1e6,
-        "cpu_us": cpu / max(samples, 1) * 1e6, "cores": cpu / elapsed, "rss_mb": rss, "processes": len(pids),
+        "cpu_us": cpu / max(samples, 1) * 1e6, "cores": cpu / elapsed, "rss_mb": rss, "anon_mb": anon, "processes": len(pids),
         "client_us": sum(r["client_cpu"] for r in results) / max(samples, 1) * 1e6,
         "errors": sum(r["errors"] for r in results), "samples": samples,
         "first_error": next((r["first_error"] for r in results if r["first_error"]), ""),
@@ -292,7 +295,8 @@ def run(args: argparse.Namespace) -> int:
             failed |= bool(r["errors"]) or not r["samples"]
             print(f"  workers {workers or 'default'} run {rep + 1}: {r['samples_s']:8.0f} samples/s "
                   f"{r['mb_s']:7.1f} MB/s  server {r['cpu_us']:6.1f} us CPU per sample "
-                  f"({r['cores']:.2f} cores, {r['processes']} processes, RSS {r['rss_mb']:.0f} MB)  "
+                  f"({r['cores']:.2f} cores, {r['processes']} processes, RSS {r['rss_mb']:.0f} MB, "
+                  f"anonymous {r['anon_mb']:.0f} MB)  "
                   f"client {r['client_us']:5.1f} us per sample  errors {r['errors']}"
                   + (f" ({r['first_error']})" if r["first_error"] else ""), flush=True)
         med = {k: statistics.median(r[k] for r in runs) for k in ("samples_s", "mb_s", "cpu_us", "cores", "client_us")}
@@ -304,7 +308,8 @@ def run(args: argparse.Namespace) -> int:
               f"{med['cores'] / n * 100:.0f}% of each of {n} workers)")
         print(f"  clients     {med['client_us']:.1f} us CPU per sample")
         print(f"  errors      {sum(r['errors'] for r in runs)}")
-        print(f"  server RSS  {statistics.median(r['rss_mb'] for r in runs):.1f} MB (all processes, at the end)")
+        print(f"  server RSS  {statistics.median(r['rss_mb'] for r in runs):.1f} MB (all processes, at the end; "
+              f"anonymous {statistics.median(r['anon_mb'] for r in runs):.1f} MB, the rest mapped file pages)")
     if len(medians) > 1 and counts[0] in medians:
         base = medians[counts[0]]["samples_s"]
         for w in counts[1:]:
