@@ -603,7 +603,10 @@ class Link:
 @dataclass(eq=False)
 class _Req:
     epoch: _Epoch
-    positions: dict[int, list[int]]  # id -> positions it fills
+    #: id -> the position it fills: ints only, so the cyclic garbage collector does not track it
+    #: (with thousands of requests in flight, a container per id made each full collection walk
+    #: every id in flight: tens of ms a pause)
+    positions: dict[int, int]
     start: float
     attempt: int
     reserved: int
@@ -616,6 +619,23 @@ class _Req:
     deadline: float = float("inf")  # when to hedge it
     task: asyncio.Task | None = None
     answered: set[int] = field(default_factory=set)
+    #: id -> its further positions, for an id that fills several (a padded plan); usually None
+    extra: dict[int, tuple[int, ...]] | None = None
+    count: int = 0  # positions it fills
+
+    def of(self, sid: int) -> tuple[int, ...] | None:
+        """The positions ``sid`` fills (None: not asked for)."""
+        pos = self.positions.get(sid)
+        if pos is None:
+            return None
+        extra = self.extra
+        return (pos,) if extra is None or sid not in extra else (pos, *extra[sid])
+
+    def all_positions(self) -> Iterable[int]:
+        """Every position this request fills."""
+        if self.extra is None:
+            return self.positions.values()
+        return itertools.chain(self.positions.values(), *self.extra.values())
 
 
 class _Epoch:
@@ -989,16 +1009,25 @@ class Run:
         self._probes = 0
 
     def _start(self, ep: _Epoch, positions: list[int], attempt: int, now: float, *, hedge_of: _Req | None = None) -> _Req:
-        by_id: dict[int, list[int]] = {}
-        ids = ep.plan.ids
+        sids = ep.plan.ids[positions].tolist()
+        by_id = dict(zip(sids, positions))
+        extra: dict[int, tuple[int, ...]] | None = None
+        if len(by_id) < len(positions):  # an id fills several positions: the first in by_id
+            by_id, extra = {}, {}
+            for sid, p in zip(sids, positions):
+                if sid in by_id:
+                    extra[sid] = (*extra.get(sid, ()), p)
+                else:
+                    by_id[sid] = p
+        cover, attempts = ep.cover, ep.attempts
         for p in positions:
-            by_id.setdefault(int(ids[p]), []).append(p)
-            ep.cover[p] = ep.cover.get(p, 0) + 1
-            ep.attempts[p] = max(ep.attempts.get(p, 0), attempt)
+            cover[p] = cover.get(p, 0) + 1
+            if attempts.get(p, 0) < attempt:
+                attempts[p] = attempt
         per_sample = int(self.link.mean_bytes)
         reserved = per_sample * len(positions)
         req = _Req(ep, by_id, now, attempt, reserved, per_sample, size=self.request_size,
-                   hedge=hedge_of is not None, twin=hedge_of)
+                   hedge=hedge_of is not None, twin=hedge_of, extra=extra, count=len(positions))
         if hedge_of is not None:
             hedge_of.twin = req
             self.c.hedges += 1
@@ -1029,7 +1058,7 @@ class Run:
 
     # --- results -------------------------------------------------------------
     def _on_result(self, req: _Req, result) -> None:
-        positions = req.positions.get(result.id)
+        positions = req.of(result.id)
         if positions is None or result.id in req.answered:
             return  # not asked for in this request; never trust it
         if not req.answered:
@@ -1065,7 +1094,7 @@ class Run:
             self._hand_over(ep)
         twin = req.twin
         if twin is not None and twin.task is not None and not twin.task.done():
-            if all(all(q in ep.completed for q in ps) for ps in twin.positions.values()):
+            if all(q in ep.completed for q in twin.all_positions()):
                 twin.task.cancel()
         if ep is self.current and ep.completed.complete:
             self._poke()  # end the epoch now, not when the last request closes
@@ -1080,20 +1109,21 @@ class Run:
         ep = req.epoch
         ep.active -= 1
         ep.reserved -= req.reserved
-        for ps in req.positions.values():
-            for p in ps:
-                ep.cover[p] -= 1
-                if not ep.cover[p]:
-                    del ep.cover[p]
+        cover = ep.cover
+        for p in req.all_positions():
+            if cover[p] > 1:
+                cover[p] -= 1
+            else:
+                del cover[p]
         task = req.task
         exc = None if task.cancelled() else task.exception()
         live = ep is self.current or ep is self.ahead
-        missing = ep.uncovered(itertools.chain.from_iterable(req.positions.values()))
+        missing = ep.uncovered(req.all_positions())
         if task.cancelled():
             pass  # a hedge twin made it redundant, or the epoch was abandoned
         elif exc is None and not missing:
             lat = now - req.start
-            full = not req.hedge and sum(map(len, req.positions.values())) >= req.size
+            full = not req.hedge and req.count >= req.size
             self.link.rate_sample(now)
             self.link.answered(lat, full, req.size, len(req.answered), req.sent_with, first=req.first - req.start)
             c = self.c
@@ -1151,7 +1181,7 @@ class Run:
                 return deadline
             heapq.heappop(heap)
             ep = req.epoch
-            rest = [p for ps in req.positions.values() for p in ps if p not in ep.completed]
+            rest = [p for p in req.all_positions() if p not in ep.completed]
             req.deadline = _INF
             if rest and self._budget_allows(int(len(rest) * self.link.mean_bytes), ep):
                 self._start(ep, rest, req.attempt, now, hedge_of=req)

@@ -8,10 +8,13 @@ never about time.
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import logging
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from faults import QueueingSource
@@ -213,3 +216,62 @@ def test_a_source_that_carries_few_requests_at_once_gets_fewer_larger_ones():
         link = loader._link
     assert link.concurrency == 8 and link.window <= 8
     assert link.request_size >= 32, link.request_size  # from batch / 8 = 8
+
+
+class Gate(Recording):
+    """Holds every request until ``wait_for`` are in flight, then counts the objects the cyclic
+    garbage collector tracks (``tracked``) and lets them all go."""
+
+    def __init__(self, *a, wait_for: int, **kw):
+        super().__init__(*a, **kw)
+        self.wait_for = wait_for
+        self.tracked: int | None = None  # counted once ``wait_for`` requests were held at once
+        self._waiting = 0
+        self._open: asyncio.Event | None = None
+
+    async def fetch(self, dataset, ids):
+        if self._open is None:
+            self._open = asyncio.Event()
+        self._waiting += 1
+        if self._waiting >= self.wait_for and self.tracked is None:
+            self.tracked = len(gc.get_objects())
+            self._open.set()
+        await self._open.wait()
+        async for r in super().fetch(dataset, ids):
+            yield r
+
+
+def test_a_request_in_flight_costs_the_garbage_collector_a_few_objects_not_one_per_id():
+    # 32 requests of 256 ids in flight: 8,192 positions. The collector walks every tracked object
+    # (a pause of tens of ms per full collection with thousands of requests in flight at a long
+    # round trip): per request a task and its bookkeeping, not a container per id
+    requests, size = 32, 256
+    prefetch = Prefetch(request_size=size, initial_inflight=requests, max_inflight=requests, max_bytes=1 << 30)
+    with Loader(MemorySource.synthetic("d", 4 * requests * size, size=16), "d", batch_size=256,
+                prefetch=prefetch, hedge=NO_HEDGE) as warm:
+        epochs(warm, 1)  # imports and first-use caches, outside the count
+    src = Gate("d", samples(requests * size, 16), wait_for=requests)
+    gc.collect()
+    before = len(gc.get_objects())
+    with Loader(src, "d", batch_size=256, prefetch=prefetch, hedge=NO_HEDGE) as loader:
+        got = epochs(loader, 1)
+    assert Counter(got) == Counter(range(requests * size))
+    assert src.tracked is not None  # all 32 were in flight at once
+    assert src.tracked - before < requests * size / 2, (src.tracked - before, requests * size)
+
+
+class Twice(MemorySource):
+    """A split that lists every id twice: a request may ask for one id that fills two positions."""
+
+    async def read_split(self, dataset, split):
+        from dataferry.schema import IdList
+
+        idl = await super().read_split(dataset, split)
+        return IdList(np.concatenate([idl.ids, idl.ids]), np.concatenate([idl.labels, idl.labels]))
+
+
+def test_an_id_listed_twice_fills_both_positions_exactly_once_each():
+    src = Twice.synthetic("d", 300, size=64)
+    with Loader(src, "d", batch_size=32, prefetch=Prefetch(request_size=64), hedge=NO_HEDGE) as loader:
+        got = epochs(loader, 2)
+    assert Counter(got) == Counter({i: 4 for i in range(300)})
