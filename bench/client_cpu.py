@@ -2,6 +2,7 @@
 
     python -m dataferry.bench.client_cpu [--images 1024] [--epochs 3] [--repeats 5]
                                          [--rtts 0] [--batch-size 256] [--data synthetic|random]
+                                         [--pin] [--floor] [--no-memory]
 
 A real ``dataferry serve`` (its own process, :func:`~._common.data_server`)
 over a SQLite store of ``--images`` samples of about 110 KB (synthetic JPEGs,
@@ -13,22 +14,41 @@ counted), ``--repeats`` runs of a :class:`~dataferry.client.Loader` reading
 batches. Each run is measured from its first batch to its last (the start-up
 and the id list are left out): the CPU of this process only (every thread of
 it: the engine's loop and the consumer; the server and the proxy are other
-processes) divided by the samples delivered, and samples/s. Printed: the
-median of the repeats, with the engine alone over a
+processes), user and system apart, divided by the samples delivered, and
+samples/s. Printed: the median of the repeats, with the engine alone over a
 :class:`~dataferry.client.MemorySource` of the same sizes as the reference
 (what is left when the network side costs nothing).
+
+``--floor`` adds the kernel's share on its own: another process writes the
+same bytes (``--images`` x 110 KB per epoch, as many epochs) into a loopback
+TCP connection and this one only ``recv_into``s them, 4 MiB at a time, into
+a ring of buffers as large as the Loader's (CPU per 110 KB: the socket
+copy and the loopback TCP work, no Python per sample). On loopback the
+receiver pays more than over a NIC: the ACKs it sends are processed, and the
+sender's next segments transmitted and queued, in its own system time.
+
+``--pin`` runs the server (and the floor's sender) on CPU 0 and this process
+on the others (``taskset`` / ``os.sched_setaffinity``), so the client's
+figures are not shared with the server's on a small machine. It cannot show
+the client on a machine of its own: the kernel's loopback work stays split
+as above, and other processes on CPU 1 still count against the wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import resource
+import socket
 import statistics
 import time
 from dataclasses import dataclass
 
 from ._common import data_server, table
 
-__all__ = ["main", "Run", "measure"]
+__all__ = ["main", "Run", "measure", "recv_floor"]
+
+SAMPLE_BYTES = 110_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,14 +56,29 @@ class Run:
     samples: int  # delivered after the first batch
     cpu_s: float  # this process's CPU over the same span
     wall_s: float
+    user_s: float = 0.0
+    sys_s: float = 0.0
 
     @property
     def us_per_sample(self) -> float:
         return self.cpu_s / max(self.samples, 1) * 1e6
 
     @property
+    def user_us(self) -> float:
+        return self.user_s / max(self.samples, 1) * 1e6
+
+    @property
+    def sys_us(self) -> float:
+        return self.sys_s / max(self.samples, 1) * 1e6
+
+    @property
     def samples_per_s(self) -> float:
         return self.samples / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def _usage() -> tuple[float, float]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime
 
 
 def measure(source, dataset: str, epochs: int, batch_size: int, warmup: int = 1) -> Run:
@@ -53,27 +88,67 @@ def measure(source, dataset: str, epochs: int, batch_size: int, warmup: int = 1)
 
     with Loader(source, dataset, batch_size=batch_size) as loader:
         samples = 0
-        c0 = t0 = None
+        u0 = s0 = t0 = None
         for epoch in range(warmup + epochs):
             for batch in loader:
                 if epoch < warmup:
                     continue
-                if c0 is None:
-                    c0, t0 = time.process_time(), time.perf_counter()
+                if t0 is None:
+                    (u0, s0), t0 = _usage(), time.perf_counter()
                     continue
                 samples += len(batch)
-        cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-    return Run(samples, cpu, wall)
+        (u1, s1), wall = _usage(), time.perf_counter() - t0
+    return Run(samples, (u1 - u0) + (s1 - s0), wall, u1 - u0, s1 - s0)
 
 
-def _median(runs: list[Run]) -> tuple[float, float]:
-    return statistics.median(r.us_per_sample for r in runs), statistics.median(r.samples_per_s for r in runs)
+def recv_floor(samples: int, *, sender_cpus: set[int] | None = None, chunk: int = 4 << 20, ring: int = 32) -> Run:
+    """This process receiving ``samples`` x 110 KB on loopback from another
+    process, ``recv_into`` ``chunk`` bytes at a time into a ring of ``ring``
+    buffers: the CPU of the receive alone."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    total = samples * SAMPLE_BYTES
+    pid = os.fork()
+    if pid == 0:  # the sender
+        try:
+            if sender_cpus:
+                os.sched_setaffinity(0, sender_cpus)
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                block = memoryview(os.urandom(SAMPLE_BYTES * 32))
+                left = total
+                while left:
+                    left -= s.send(block[: min(len(block), left)])
+        finally:
+            os._exit(0)
+    listener.settimeout(30)
+    conn, _ = listener.accept()
+    listener.close()
+    buffers = [memoryview(bytearray(chunk)) for _ in range(ring)]
+    got = k = 0
+    (u0, s0), t0 = _usage(), time.perf_counter()
+    with conn:
+        while got < total:
+            n = conn.recv_into(buffers[k % ring])
+            if not n:
+                break
+            got += n
+            k += 1
+    (u1, s1), wall = _usage(), time.perf_counter() - t0
+    os.waitpid(pid, 0)
+    n = got // SAMPLE_BYTES
+    return Run(n, (u1 - u0) + (s1 - s0), wall, u1 - u0, s1 - s0)
+
+
+def _row(name: str, rtt: str, runs: list[Run]) -> list[str]:
+    med = statistics.median
+    return [name, rtt, f"{med(r.us_per_sample for r in runs):.1f}", f"{med(r.user_us for r in runs):.1f}",
+            f"{med(r.sys_us for r in runs):.1f}", f"{med(r.samples_per_s for r in runs):,.0f}"]
 
 
 def _memory_reference(images: int, epochs: int, batch_size: int, repeats: int) -> list[Run]:
     from dataferry.client import MemorySource
 
-    src = MemorySource.synthetic("bench", images, size=110_000)
+    src = MemorySource.synthetic("bench", images, size=SAMPLE_BYTES)
     return [measure(src, "bench", epochs, batch_size) for _ in range(repeats)]
 
 
@@ -87,32 +162,49 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", choices=("synthetic", "random"), default="synthetic",
                    help="synthetic JPEGs of ~110 KB (cached), or random bytes of the same sizes")
     p.add_argument("--no-memory", action="store_true", help="leave out the MemorySource reference row")
+    p.add_argument("--floor", action="store_true", help="add the kernel's share: a bare loopback recv_into of the bytes")
+    p.add_argument("--pin", action="store_true", help="the server on CPU 0, this process on the others")
     args = p.parse_args(argv)
     rtts = [float(x) for x in args.rtts.split(",") if x.strip()]
 
     from ._links import Condition, ProxyLink
     from .load_server import DATASET, prepare_store
 
+    wrap: tuple[str, ...] = ()
+    server_cpus = None
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            p.error("--pin needs at least 2 CPUs")
+        server_cpus = {cpus[0]}
+        os.sched_setaffinity(0, set(cpus[1:]))  # threads made from now on (the Loader's) inherit it
+        wrap = ("taskset", "-c", str(cpus[0]))
     store = prepare_store(args.images, args.data)
     rows = []
+    if args.floor:
+        runs = [recv_floor(args.images * args.epochs, sender_cpus=server_cpus) for _ in range(args.repeats)]
+        rows.append(_row("bare recv_into, 4 MiB (kernel floor)", "0", runs))
+        print(f"floor: {rows[-1][2]} us per 110 KB (user {rows[-1][3]}, sys {rows[-1][4]})", flush=True)
     if not args.no_memory:
-        us, rate = _median(_memory_reference(args.images, args.epochs, args.batch_size, args.repeats))
-        rows.append(["MemorySource (engine alone)", "-", f"{us:.1f}", f"{rate:,.0f}"])
-        print(f"memory: {us:.1f} us/sample, {rate:,.0f} samples/s", flush=True)
-    with data_server(store) as server:
+        rows.append(_row("MemorySource (engine alone)", "-",
+                         _memory_reference(args.images, args.epochs, args.batch_size, args.repeats)))
+        print(f"memory: {rows[-1][2]} us/sample, {rows[-1][5]} samples/s", flush=True)
+    with data_server(store, wrap=wrap) as server:
         for rtt in rtts:
             with ProxyLink().emulate(Condition(rtt_ms=rtt)) as route:
                 host, port = route(server) if rtt > 0 else server
                 url = f"http://{host}:{port}"
                 runs = [measure(url, DATASET, args.epochs, args.batch_size) for _ in range(args.repeats)]
-            us, rate = _median(runs)
+            row = _row(f"HTTP, {'direct' if rtt == 0 else 'latency proxy'}", f"{rtt:g}", runs)
             each = " ".join(f"{r.us_per_sample:.1f}" for r in runs)
-            print(f"http rtt {rtt:g} ms: {us:.1f} us/sample (runs: {each}), {rate:,.0f} samples/s", flush=True)
-            rows.append([f"HTTP, {'direct' if rtt == 0 else 'latency proxy'}", f"{rtt:g}", f"{us:.1f}", f"{rate:,.0f}"])
+            print(f"http rtt {rtt:g} ms: {row[2]} us/sample (runs: {each}), user {row[3]}, sys {row[4]}, "
+                  f"{row[5]} samples/s", flush=True)
+            rows.append(row)
     print()
     print(f"{args.images} samples of ~110 KB, {args.epochs} epochs per run, batch {args.batch_size}, "
-          f"median of {args.repeats} runs; client CPU = this process only")
-    print(table(["path", "RTT ms", "client CPU us/sample", "samples/s"], rows))
+          f"median of {args.repeats} runs; client CPU = this process only"
+          + ("; server on CPU 0, client on the others" if args.pin else ""))
+    print(table(["path", "RTT ms", "client CPU us/sample", "user", "sys", "samples/s"], rows))
     return 0
 
 

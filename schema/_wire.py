@@ -200,7 +200,7 @@ class FrameDecoder:
         if self.done:
             return None
         lo, hi, stop = self._lo, self._hi, self._stop
-        if lo + self._need > stop or (hi - lo < HEADER.size and stop - hi < min(_MIN_ROOM, self._rest())):
+        if lo + self._need > stop or (hi - lo < HEADER.size and stop - hi < self._least()):
             self._move()
         return self._w[self._hi : self._stop]
 
@@ -238,11 +238,19 @@ class FrameDecoder:
             return _FIRST
         return int(max(self._expect - count, 0) * mean * 17 / 16) + HEADER.size
 
+    def _least(self) -> int:
+        """The room worth reading a record into, at its start: a mean record (at least
+        _MIN_ROOM), unless the rest of the response should need less. With less, the
+        next record starts in a new region rather than moving there half read."""
+        count = self.count
+        mean = self.nbytes / count if count else self._mean
+        return min(max(int(mean), _MIN_ROOM), self._rest())
+
     def _move(self) -> None:
         """To a new region with room for the record at ``_lo``, its bytes read so far copied over."""
         old_buf, old, lo, hi, stop = self._buf, self._w, self._lo, self._hi, self._stop
         need = max(self._need, hi - lo)
-        buf, start, self._stop = self._arena(max(need, self._rest()), max(need, _MIN_ROOM))
+        buf, start, self._stop = self._arena(max(need, self._rest()), max(need, self._least()))
         if buf is not old_buf:
             self._buf, self._w = buf, memoryview(buf)
             self._ro = self._w.toreadonly()
