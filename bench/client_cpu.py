@@ -20,7 +20,7 @@ samples/s. Printed: the median of the repeats, with the engine alone over a
 (what is left when the network side costs nothing).
 
 ``--floor`` adds the kernel's share on its own: another process writes the
-same bytes (``--images`` x 110 KB per epoch, as many epochs) into a loopback
+same kind of bytes (at least 20,000 x 110 KB) into a loopback
 TCP connection and this one only ``recv_into``s them, 4 MiB at a time, into
 a ring of buffers as large as the Loader's (CPU per 110 KB: the socket
 copy and the loopback TCP work, no Python per sample). On loopback the
@@ -49,6 +49,8 @@ from ._common import data_server, table
 __all__ = ["main", "Run", "measure", "recv_floor"]
 
 SAMPLE_BYTES = 110_000
+#: samples the floor receives at least (2.2 GB: enough CPU ticks for a steady user/system split)
+FLOOR_SAMPLES = 20_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     store = prepare_store(args.images, args.data)
     rows = []
     if args.floor:
-        runs = [recv_floor(args.images * args.epochs, sender_cpus=server_cpus) for _ in range(args.repeats)]
+        n = max(args.images * args.epochs, FLOOR_SAMPLES)
+        runs = [recv_floor(n, sender_cpus=server_cpus) for _ in range(args.repeats)]
         rows.append(_row("bare recv_into, 4 MiB (kernel floor)", "0", runs))
         print(f"floor: {rows[-1][2]} us per 110 KB (user {rows[-1][3]}, sys {rows[-1][4]})", flush=True)
     if not args.no_memory:
