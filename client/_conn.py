@@ -4,12 +4,13 @@ keep-alive connections on asyncio's ``BufferedProtocol``.
 Why not a general HTTP client: a batch fetch answer is megabytes of samples,
 and a sample's bytes should be copied once, by the kernel, into the buffer
 they stay in. Each :class:`Connection` hands the event loop (uvloop or
-asyncio, plain TCP or TLS) the buffer to read into: while a body is inside a
-large payload, that is the payload's own buffer (:meth:`FrameDecoder.sink
-<dataferry.schema._wire.FrameDecoder.sink>`), limited to the current chunk;
-otherwise a small bounce buffer, whose bytes are parsed in place (status
-line, headers, chunk sizes, record headers) and the few payload bytes in it
-copied out. No per-sample task, future or bytes object is made on the way.
+asyncio, plain TCP or TLS) the buffer to read into: inside a body, the free
+room of the decoder's arena region (:meth:`FrameDecoder.sink
+<dataferry.schema._wire.FrameDecoder.sink>`), limited to the current chunk,
+so one read carries many samples; otherwise a small bounce buffer, whose
+bytes are parsed in place (status line, headers, chunk size lines: 64-byte
+reads between chunks) and the few body bytes in it copied out. No
+per-sample task, future, buffer or bytes object is made on the way.
 
 What it speaks: requests it writes itself (one at a time per connection, no
 pipelining), answers with ``Content-Length``, ``Transfer-Encoding: chunked``
@@ -34,8 +35,7 @@ from dataclasses import dataclass
 
 __all__ = ["Pool", "Connection", "Head", "HttpProtocolError", "Unreachable", "read_body", "collector"]
 
-#: bytes asked of the socket per read outside a large payload: small, so that
-#: most of a large payload is read straight into its own buffer
+#: bytes asked of the socket per read of a head (or of a body with nowhere of its own to go)
 READ_SIZE = 1 << 14
 #: bytes asked of the socket between two chunks: the chunk's CRLF and the next size line
 #: (``\r\n100000\r\n`` for 1 MiB), and the first few bytes of the next chunk

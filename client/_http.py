@@ -11,11 +11,12 @@ A keep-alive pool of ``HttpOptions.connections`` connections (``_conn.py``:
 HTTP/1.1 on asyncio's ``BufferedProtocol``) carries every request, so the
 engine's window of requests in flight rides on warm connections;
 ``preferred_request_size`` ids per request keeps responses few and large
-across a long link. A sample's bytes are read by the kernel straight into the
-buffer ``Sample.data`` views (a read-only ``memoryview``): no copy after the
-socket for all but the few bytes that share a read with a record header.
-Those buffers come from a :class:`~._buffers.BufferPool` and go back to it
-when nothing refers to them any more.
+across a long link. The body is read by the kernel straight into an arena,
+many samples per read, and each ``Sample.data`` is a read-only ``memoryview``
+slice of it: no copy after the socket but for the few bytes that share a read
+with the answer's head or a chunk size line. The arenas come from a
+:class:`~._buffers.BufferPool` and go back to it when nothing refers to them
+any more (one sample kept after its batch keeps its arena: copy it to keep it).
 
 Errors are translated here, at the boundary, and name the service URL:
 
@@ -119,8 +120,11 @@ class HttpOptions:
     read_buffer: int = 1 << 20
     #: the largest record accepted (guards memory against a broken server)
     max_record_bytes: int = 1 << 30
-    #: bytes of free receive buffers kept for reuse (see ``_buffers.py``)
-    spare_buffers: int = 64 << 20
+    #: bytes of free receive arenas kept for reuse (see ``_buffers.py``). Free arenas
+    #: were all in use at once before, so keeping them never raises the process's peak;
+    #: the default is the default ``Prefetch.max_bytes``: below what a loader's arenas
+    #: swing by, each arena given back is soon made again (a page fault per 4 KiB)
+    spare_buffers: int = 512 << 20
     #: bytes of one receive arena: samples are read many at a time into arenas
     #: (``_buffers.py``); one sample kept after its batch keeps its arena from reuse
     arena: int = 4 << 20
