@@ -3,7 +3,8 @@
 1. make a synthetic ImageNet-like JPEG dataset and ingest it into the SQLite
    store (idempotent: a second run finds everything present);
 2. start the data service (``dataferry serve``) on loopback, in its own process;
-3. put the latency proxy in front of it at a WAN round trip (100 ms default);
+3. put the latency proxy (``dataferry latency-proxy``, its own process) in front
+   of it at a WAN round trip (100 ms default);
 4. stream a few epochs through the client engine across that link, checking
    that every sample arrives exactly once per epoch and matches its checksum;
 5. run a naive loader (one request per sample, one at a time) on the same
@@ -73,7 +74,7 @@ async def _naive(url: str, dataset: str, ids: list[int], seconds: float) -> tupl
 def run_stream_demo(opts: StreamDemoOptions = StreamDemoOptions()) -> str:
     from dataferry.client import Loader
 
-    from ._latency_proxy import LinkOptions, ProxyThread
+    from ._links import Condition, ProxyLink
     from dataferry.schema import IngestOptions, ingest, make_synthetic, open_store
 
     lines = []
@@ -97,35 +98,37 @@ def run_stream_demo(opts: StreamDemoOptions = StreamDemoOptions()) -> str:
                  + (f"; {report.images_per_s:.0f} images/s, {report.mb_per_s:.1f} MB/s" if report.ingested else ""))
     checksums = asyncio.run(_checksums(opts.store_url, opts.dataset))
 
-    with data_server(opts.store_url) as (host, port):
-        with ProxyThread((host, port), LinkOptions(delay=opts.rtt_ms / 2000)) as proxy:
-            link = f"http://{proxy.address[0]}:{proxy.address[1]}"
-            lines.append(f"server http://{host}:{port}, client through a latency proxy at {opts.rtt_ms:.0f} ms RTT ({link})")
-            rows = []
-            total = total_bytes = 0
-            t_start = time.perf_counter()
-            with Loader(link, opts.dataset, batch_size=opts.batch_size) as loader:
-                for epoch in range(opts.epochs):
-                    t0 = time.perf_counter()
-                    seen: Counter = Counter()
-                    nbytes = 0
-                    for batch in loader:
-                        for i, data in zip(batch.ids.tolist(), batch.data):
-                            if hashlib.sha256(data).hexdigest() != checksums[i]:
-                                raise RuntimeError(f"sample {i} does not match its checksum")
-                            seen[i] += 1
-                        nbytes += batch.nbytes
-                    t_end = time.perf_counter()
-                    dt = t_end - t0
-                    if set(seen) != set(checksums) or max(seen.values()) != 1:
-                        raise RuntimeError(f"epoch {epoch} did not deliver every sample exactly once")
-                    total += sum(seen.values())
-                    total_bytes += nbytes
-                    rows.append([f"dataferry, epoch {epoch} (partly prefetched)", f"{len(seen):,}",
-                                 f"{len(seen) / dt:,.0f}", f"{nbytes / dt / 1e6:,.1f}", f"{dt:.2f}"])
-                stats = loader.stats()
-            ours_s = t_end - t_start
-            n, nb, dt = asyncio.run(_naive(link, opts.dataset, list(checksums), opts.naive_seconds))
+    # The link is a ``dataferry latency-proxy`` process, as in the bench: in this
+    # process its work would compete with the client's for the interpreter.
+    with data_server(opts.store_url) as (host, port), ProxyLink().emulate(Condition(rtt_ms=opts.rtt_ms)) as route:
+        proxy_host, proxy_port = route((host, port))
+        link = f"http://{proxy_host}:{proxy_port}"
+        lines.append(f"server http://{host}:{port}, client through a latency proxy at {opts.rtt_ms:.0f} ms RTT ({link})")
+        rows = []
+        total = total_bytes = 0
+        t_start = time.perf_counter()
+        with Loader(link, opts.dataset, batch_size=opts.batch_size) as loader:
+            for epoch in range(opts.epochs):
+                t0 = time.perf_counter()
+                seen: Counter = Counter()
+                nbytes = 0
+                for batch in loader:
+                    for i, data in zip(batch.ids.tolist(), batch.data):
+                        if hashlib.sha256(data).hexdigest() != checksums[i]:
+                            raise RuntimeError(f"sample {i} does not match its checksum")
+                        seen[i] += 1
+                    nbytes += batch.nbytes
+                t_end = time.perf_counter()
+                dt = t_end - t0
+                if set(seen) != set(checksums) or max(seen.values()) != 1:
+                    raise RuntimeError(f"epoch {epoch} did not deliver every sample exactly once")
+                total += sum(seen.values())
+                total_bytes += nbytes
+                rows.append([f"dataferry, epoch {epoch} (partly prefetched)", f"{len(seen):,}",
+                             f"{len(seen) / dt:,.0f}", f"{nbytes / dt / 1e6:,.1f}", f"{dt:.2f}"])
+            stats = loader.stats()
+        ours_s = t_end - t_start
+        n, nb, dt = asyncio.run(_naive(link, opts.dataset, list(checksums), opts.naive_seconds))
     ours, naive = total / ours_s, n / dt
     head = [["dataferry (completion order, adaptive window)", f"{total:,}", f"{ours:,.0f}",
              f"{total_bytes / ours_s / 1e6:,.1f}", f"{ours_s:.3f}"],
