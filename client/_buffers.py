@@ -84,9 +84,11 @@ class BufferPool:
         self.reused = self.made = 0
 
     def take(self, n: int, least: int | None = None) -> tuple[bytearray, int, int]:
-        """A region of ``n`` bytes; or, rather than a new arena, the newest room
-        of at least ``least`` bytes whole (the rest of an arena: the caller
-        moves on to another region when it is full)."""
+        """A region of ``n`` bytes (at most an arena's, unless ``least`` is more);
+        or, rather than a new arena, the newest room of at least ``least``
+        bytes whole (the rest of an arena: the caller moves on to another
+        region when it is full)."""
+        n = max(min(n, self.arena), least or 0)  # a region larger than an arena only for a record that is
         rooms = self._rooms
         for k in range(len(rooms) - 1, -1, -1):
             buf, start, stop = rooms[k]
