@@ -1,6 +1,7 @@
 """The CQL path alone: a Loader reading ``cassandra://`` straight from the store.
 
 ``python -m dataferry.bench.cql_path [--images 2048] [--rtts 0,100] [--repeats 3] [--batch-size 256]``
+``python -m dataferry.bench.cql_path --read-path [--frames 2000] [--repeats 3]``
 
 A throwaway Cassandra 1.2 (``_devcassandra``, protocol v1) holds ``--images``
 synthetic JPEGs (about 110 KB each). Each run is a fresh process (no driver
@@ -24,6 +25,13 @@ Per run:
 * **CPU us/sample**: this process's CPU (every thread: the engine's loop and
   the driver's IO thread) from the first batch to the end of the epoch, per
   sample; **set-up CPU** is the CPU before the first batch.
+
+``--read-path`` measures the read side of one connection alone: ``--frames``
+frames of 110 KB (a sample's answer) written into a socket pair whose other end
+replaces a real pool connection's socket, and the connection's ``handle_read``
+called until every frame was handed to ``process_msg`` (replaced by a counter:
+no decoding). CPU of the reading thread per frame, for the driver's own libev
+reader and for dataferry's (``schema/_cqlconnect.py``, ``_frame_reader``).
 """
 
 from __future__ import annotations
@@ -137,14 +145,96 @@ def run(images: int, rtts: list[float], repeats: int, batch_size: int) -> list[l
     return rows
 
 
+def _read_path_once(conn, handle_read, frames: int, buffer: int | None = None, size: int = 110_000) -> float:
+    """CPU seconds of this thread per frame for ``handle_read`` on ``conn`` (see the module docs)."""
+    import os
+    import select
+    import socket
+    import struct
+    import threading
+
+    header = struct.Struct(">BBhBi" if conn.protocol_version >= 3 else ">BBbBi")
+    frame = header.pack(0x80 | conn.protocol_version, 0, 5, 0x08, size) + os.urandom(size)
+    blob = frame * 100
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    if buffer is not None:  # as a long link's socket buffers grow (Linux autotunes them up to tcp_rmem's max)
+        for sock in (ours, theirs):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
+    got = [0]
+    conn.process_msg = lambda header, body: got.__setitem__(0, got[0] + 1)
+    original, conn._socket = conn._socket, ours
+    writer = threading.Thread(target=lambda: [theirs.sendall(blob) for _ in range(frames // 100)])
+    try:
+        writer.start()
+        c0 = time.thread_time()
+        while got[0] < frames // 100 * 100:
+            select.select([ours], [], [], 1.0)
+            handle_read(conn, None, 0)
+        return (time.thread_time() - c0) / got[0]
+    finally:
+        writer.join()
+        conn._socket = original
+        del conn.process_msg
+        ours.close()
+        theirs.close()
+
+
+def read_path(frames: int, repeats: int) -> list[list[str]]:
+    import tempfile
+
+    from cassandra.io.libevreactor import LibevConnection
+
+    from dataferry.schema import _cqlconnect, parse_store_url
+
+    from ._devcassandra import DevCassandra
+
+    with tempfile.TemporaryDirectory(prefix="dataferry-bench-") as tmp, DevCassandra(tmp) as server:
+        cluster, session, _ = _cqlconnect.open_cluster(parse_store_url(server.url("bench", protocol_version=1)))
+        try:
+            conn = next(c for c in list(cluster.connection_class.opened)
+                        if not (c.is_control_connection or c.is_closed))
+            reader, _cqlconnect._frame_reader = _cqlconnect._frame_reader, lambda: None
+            try:  # the reader without _frame_reader: what v5 connections use
+                each_read = _cqlconnect._libev_read(LibevConnection)
+            finally:
+                _cqlconnect._frame_reader = reader
+            readers = {
+                "the driver's (LibevConnection.handle_read)": LibevConnection.handle_read,
+                "parse after each read (before; the v5 path)": each_read,
+                "dataferry's (_cqlconnect._frame_reader)": type(conn).handle_read,
+            }
+            rows = []
+            for buffer in (None, 4 << 20):
+                for name, handle_read in readers.items():
+                    if buffer and handle_read is LibevConnection.handle_read:
+                        rows.append([name, "4 MiB", "seconds: a backlog's frames copied n^2/2 times", "-"])
+                        continue
+                    t = statistics.median(_read_path_once(conn, handle_read, frames, buffer) for _ in range(repeats))
+                    rows.append([name, "4 MiB" if buffer else "default", f"{t * 1e6:.1f}", f"{0.11 / t / 1e3:.2f}"])
+        finally:
+            cluster.shutdown()
+            _cqlconnect.close_leftovers(cluster)
+        del session
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dataferry.bench.cql_path", description=__doc__.split("\n\n")[0])
     p.add_argument("--images", type=int, default=2048)
     p.add_argument("--rtts", default="0,100", help="RTTs in ms through the latency proxy, comma-separated")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--read-path", action="store_true", help="measure one connection's read side alone")
+    p.add_argument("--frames", type=int, default=2000, help="110 KB frames per --read-path run")
     p.add_argument("--child", metavar="URL", help=argparse.SUPPRESS)  # one measuring run, JSON on stdout
     args = p.parse_args(argv)
+    if args.read_path:
+        rows = read_path(args.frames, args.repeats)
+        print(f"median of {args.repeats} runs; {args.frames} frames of 110 KB, protocol v1, libev")
+        print(table(["reader", "socket buffers", "CPU us per frame", "GB/s of one core"], rows))
+        return 0
     if args.child:
         print(json.dumps(measure(args.child, args.batch_size)))
         return 0

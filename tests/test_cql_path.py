@@ -387,3 +387,71 @@ def test_with_a_named_version_a_missing_keyspace_or_table_still_says_how_to_add_
     with pytest.raises(StoreUnavailable, match="dataferry schema apply --store"):
         run(open_store(_url(empty), create=False))
     _assert_quiet(before, "stores that failed to open", settle=2.0)
+
+
+def test_the_frame_reader_hands_over_every_frame_whole_however_the_bytes_arrive(dataset):
+    """The v1-v4 read path reads the socket into one buffer per connection and copies a frame's
+    body out once. Frames of every size (empty, smaller than a header, the buffer's size, four
+    times it) arrive byte-exact and in order, whether a read holds many frames, part of a
+    header, or one byte; the buffer grows for a large frame and shrinks back once empty."""
+    import random
+    import select
+    import socket
+    import struct
+
+    from dataferry.schema._cqlconnect import _READ_SIZE, close_leftovers, open_cluster
+
+    url, _, _ = dataset
+    cluster, session, _ = open_cluster(parse_store_url(_url(url)))  # the session holds the pool
+    try:
+        conn = next(c for c in list(cluster.connection_class.opened) if not (c.is_control_connection or c.is_closed))
+        if conn.protocol_version >= 5:
+            pytest.skip("v5 frames come in segments: the driver's own reader")
+        header = struct.Struct(">BBhBi" if conn.protocol_version >= 3 else ">BBbBi")
+        rng = random.Random(5)
+        sizes = [0, 1, 7, 8, 9, _READ_SIZE - 9, _READ_SIZE, 4 * _READ_SIZE + 3, 5, 100_000, 110_003, 3]
+        bodies = [rng.randbytes(n) for n in sizes]
+        wire = b"".join(header.pack(0x80 | conn.protocol_version, 0, i, 0x08, len(b)) + b for i, b in enumerate(bodies))
+        got: list[tuple[int, bytes]] = []
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        theirs.setblocking(False)
+
+        def feed(data: bytes) -> None:
+            """Send ``data``, reading on our side whenever something is there to read."""
+            view = memoryview(data)
+            while True:
+                try:
+                    view = view[theirs.send(view):]
+                except BlockingIOError:
+                    pass
+                while select.select([ours], [], [], 0)[0]:
+                    conn.handle_read(None, 0)
+                if not view:
+                    return
+
+        original = conn._socket
+        conn.process_msg = lambda frame, body: got.append((frame.stream, body))
+        conn._socket = ours
+        try:
+            for chunking in ("all", "random", "bytes"):
+                got.clear()
+                pos = 0
+                while pos < len(wire):
+                    step = {"all": len(wire), "random": rng.choice((1, 3, 9, 4096, 70_000, 300_000)), "bytes": 1}[chunking]
+                    if chunking == "bytes" and 40 < pos < len(wire) - 400:
+                        step = rng.choice((1, 2, 5000))  # a byte at a time around the small frames and the end
+                    feed(wire[pos:pos + step])
+                    pos += step
+                assert [s for s, _ in got] == list(range(len(bodies))), chunking
+                assert all(body == bodies[s] for s, body in got), chunking
+                # empty, at the front, and no larger than 4 reads (it held a frame of 4 reads and more)
+                assert len(conn._frames[0]) <= 4 * _READ_SIZE and conn._frames[1] == conn._frames[2] == 0, chunking
+        finally:
+            conn._socket = original
+            del conn.process_msg
+            ours.close()
+            theirs.close()
+    finally:
+        cluster.shutdown()
+        close_leftovers(cluster)
