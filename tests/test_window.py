@@ -275,33 +275,3 @@ def test_an_id_listed_twice_fills_both_positions_exactly_once_each():
     with Loader(src, "d", batch_size=32, prefetch=Prefetch(request_size=64), hedge=NO_HEDGE) as loader:
         got = epochs(loader, 2)
     assert Counter(got) == Counter({i: 4 for i in range(300)})
-
-
-class Generations(MemorySource):
-    """Numbers each request by round trip: 0 sent before any answer, k + 1 sent after an answer
-    of round trip k (``counts``: requests per round trip)."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.counts: Counter[int] = Counter()
-        self._answered = -1  # the latest round trip answered
-
-    async def fetch(self, dataset, ids):
-        gen = self._answered + 1
-        self.counts[gen] += 1
-        async for r in super().fetch(dataset, ids):
-            yield r
-        self._answered = max(self._answered, gen)
-
-
-def test_the_start_up_window_grows_by_the_start_up_gain_per_round_trip():
-    # 100 ms and no bottleneck: the window starts at 8 requests (a batch of 64 in requests of 8)
-    # and grows by BBR's start-up gain (2.89) per round trip, not 2: 8, 23, 67, 193 requests
-    src = Generations("d", samples(6000, 1024), latency=0.1)
-    prefetch = Prefetch(request_size=8, max_bytes=64 << 20, sample_bytes_hint=1024)
-    with Loader(src, "d", batch_size=64, prefetch=prefetch, hedge=NO_HEDGE) as loader:
-        got = epochs(loader, 1)
-    assert Counter(got) == Counter(range(6000))
-    c = src.counts
-    assert c[0] == 8, c
-    assert c[3] >= 0.75 * Link.STARTUP_GAIN ** 3 * c[0], c  # 2 per round trip would be 64
