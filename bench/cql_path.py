@@ -22,6 +22,11 @@ Per run:
 * **samples/s from creating the Loader**: the whole epoch over the wall time from
   creating the Loader to its last batch (what a user sees); **after the first
   batch**: from the first batch to the end of the epoch;
+* **phases**: ms from creating the Loader to the first message of each kind
+  (STARTUP, the control connection's REGISTER, PREPARE, the first EXECUTE:
+  the split read, the first sample read) and to the first batch; the driver's
+  import, done before the clock starts (the hook on its send path needs it),
+  is shown beside;
 * **CPU us/sample**: this process's CPU (every thread: the engine's loop and
   the driver's IO thread) from the first batch to the end of the epoch, per
   sample; **set-up CPU** is the CPU before the first batch.
@@ -73,7 +78,10 @@ def measure(url: str, batch_size: int) -> dict:
     """One run in this process: a Loader on ``url``, one epoch (see the module docs)."""
     from dataferry.client import Loader
 
-    sent, unhook = _count_messages()
+    i0 = time.perf_counter()
+    sent, unhook = _count_messages()  # imports the driver (the Loader would, on creating it)
+    import cassandra.cluster  # noqa: F401 - the rest of what opening a store imports
+
     c0, t0 = time.process_time(), time.perf_counter()
     samples = 0
     with Loader(url, DATASET, batch_size=batch_size) as loader:
@@ -86,8 +94,17 @@ def measure(url: str, batch_size: int) -> dict:
         c2, t2 = time.process_time(), time.perf_counter()
     reads = [t for t, kind in sent if kind == "read"]
     before = [kind for t, kind in sent if t < (reads[0] if reads else t1)]
+
+    def at(kind: str) -> float:
+        return next((t - t0 for t, k in sent if k == kind), float("nan"))
+
     return {
         "first_batch_s": t1 - t0,
+        "import_s": t0 - i0,
+        # when the first message of each kind was sent, from creating the Loader (see the RTT breakdown)
+        "at_startup_s": at("StartupMessage"), "at_register_s": at("RegisterMessage"),
+        "at_prepare_s": at("PrepareMessage"), "at_execute_s": at("ExecuteMessage"),
+        "at_read_s": at("read"),
         "setup_requests": len(before),
         "connections": sum(1 for t, kind in sent if kind == "StartupMessage" and t < t1),
         "samples": first + samples,
@@ -108,7 +125,8 @@ def _run_child(url: str, batch_size: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run(images: int, rtts: list[float], repeats: int, batch_size: int) -> list[list[str]]:
+def run(images: int, rtts: list[float], repeats: int, batch_size: int) -> tuple[list[list[str]], list[list[str]]]:
+    """``(rows, phases)``: the table's rows, and when each step of the set-up began (medians)."""
     from ._links import Condition, ProxyLink
     from ._loaders import with_options
 
@@ -130,10 +148,14 @@ def run(images: int, rtts: list[float], repeats: int, batch_size: int) -> list[l
                       f"{r['total_per_s']:,.0f} samples/s from creating the Loader "
                       f"({r['samples_per_s']:,.0f}/s after the first batch), {r['cpu_us_per_sample']:.1f} us CPU/sample",
                       file=sys.stderr, flush=True)
-    rows = []
+    rows, phases = [], []
     for name, runs in results.items():
         def med(key):
             return statistics.median(r[key] for r in runs)
+
+        phases.append([name, f"{med('import_s') * 1e3:.0f}", *(
+            f"{med(key) * 1e3:.0f}" for key in ("at_startup_s", "at_register_s", "at_prepare_s", "at_execute_s",
+                                                 "at_read_s", "first_batch_s"))])
 
         rtt = float(name.split()[1]) if name.startswith("proxy") else 0.0
         rows.append([
@@ -142,7 +164,7 @@ def run(images: int, rtts: list[float], repeats: int, batch_size: int) -> list[l
             f"{med('samples_per_s'):,.0f}",
             f"{med('cpu_us_per_sample'):.1f}", f"{med('setup_cpu_ms'):.0f}",
         ])
-    return rows
+    return rows, phases
 
 
 def _read_path_once(conn, handle_read, frames: int, buffer: int | None = None, size: int = 110_000) -> float:
@@ -239,11 +261,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(args.child, args.batch_size)))
         return 0
     rtts = [float(x) for x in args.rtts.split(",") if x.strip()]
-    rows = run(args.images, rtts, args.repeats, args.batch_size)
+    rows, phases = run(args.images, rtts, args.repeats, args.batch_size)
     print(f"median of {args.repeats} runs; {args.images} images, batch {args.batch_size}")
     print(table(["link", "first batch s", "first batch / RTT", "set-up requests", "connections",
                  "samples/s from creating the Loader", "samples/s after the first batch", "CPU us/sample",
                  "set-up CPU ms"], rows))
+    print("\nms from creating the Loader to the first message of each step (the driver's import is before it)")
+    print(table(["link", "driver import ms", "STARTUPs", "REGISTER (control)", "PREPAREs", "split read",
+                 "first sample read", "first batch"], phases))
     return 0
 
 
