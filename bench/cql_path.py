@@ -29,7 +29,10 @@ Per run:
   is shown beside;
 * **CPU us/sample**: this process's CPU (every thread: the engine's loop and
   the driver's IO thread) from the first batch to the end of the epoch, per
-  sample; **set-up CPU** is the CPU before the first batch.
+  sample, and of that the driver's IO thread's (libev's ``event_loop``: reading,
+  decoding, callbacks) and the engine loop's (``dataferry-engine``: issuing
+  requests through ``Session.execute_async``, batching); **set-up CPU** is the
+  CPU before the first batch.
 
 ``--read-path`` measures the read side of one connection alone: ``--frames``
 frames of 110 KB (a sample's answer) written into a socket pair whose other end
@@ -74,6 +77,24 @@ def _count_messages():
     return sent, lambda: setattr(Connection, "send_msg", original)
 
 
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of each live thread of this process, by thread name (Linux: /proc/self/task)."""
+    import os
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(tid), "other")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def measure(url: str, batch_size: int) -> dict:
     """One run in this process: a Loader on ``url``, one epoch (see the module docs)."""
     from dataferry.client import Loader
@@ -89,9 +110,11 @@ def measure(url: str, batch_size: int) -> dict:
         first = len(next(it))
         c1, t1 = time.process_time(), time.perf_counter()
         unhook()  # counted up to the first batch; the epoch's CPU is the Loader's alone
+        threads0 = _thread_cpu()
         for batch in it:
             samples += len(batch)
         c2, t2 = time.process_time(), time.perf_counter()
+        threads = {k: v - threads0.get(k, 0.0) for k, v in _thread_cpu().items()}
     reads = [t for t, kind in sent if kind == "read"]
     before = [kind for t, kind in sent if t < (reads[0] if reads else t1)]
 
@@ -112,6 +135,9 @@ def measure(url: str, batch_size: int) -> dict:
         "samples_per_s": samples / (t2 - t1) if t2 > t1 else 0.0,
         "cpu_us_per_sample": (c2 - c1) / samples * 1e6 if samples else 0.0,
         "setup_cpu_ms": (c1 - c0) * 1e3,
+        # the driver's IO thread (libev's is "event_loop") and the engine's loop, per sample
+        "io_us_per_sample": threads.get("event_loop", 0.0) / samples * 1e6 if samples else 0.0,
+        "engine_us_per_sample": threads.get("dataferry-engine", 0.0) / samples * 1e6 if samples else 0.0,
     }
 
 
@@ -162,7 +188,8 @@ def run(images: int, rtts: list[float], repeats: int, batch_size: int) -> tuple[
             name, f"{med('first_batch_s'):.3f}", f"{med('first_batch_s') * 1e3 / rtt:.1f}" if rtt else "-",
             f"{med('setup_requests'):.0f}", f"{med('connections'):.0f}", f"{med('total_per_s'):,.0f}",
             f"{med('samples_per_s'):,.0f}",
-            f"{med('cpu_us_per_sample'):.1f}", f"{med('setup_cpu_ms'):.0f}",
+            f"{med('cpu_us_per_sample'):.1f}", f"{med('io_us_per_sample'):.0f}", f"{med('engine_us_per_sample'):.0f}",
+            f"{med('setup_cpu_ms'):.0f}",
         ])
     return rows, phases
 
@@ -265,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"median of {args.repeats} runs; {args.images} images, batch {args.batch_size}")
     print(table(["link", "first batch s", "first batch / RTT", "set-up requests", "connections",
                  "samples/s from creating the Loader", "samples/s after the first batch", "CPU us/sample",
-                 "set-up CPU ms"], rows))
+                 "of which driver IO thread", "engine thread", "set-up CPU ms"], rows))
     print("\nms from creating the Loader to the first message of each step (the driver's import is before it)")
     print(table(["link", "driver import ms", "STARTUPs", "REGISTER (control)", "PREPAREs", "split read",
                  "first sample read", "first batch"], phases))
