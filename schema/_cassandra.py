@@ -10,9 +10,11 @@ loop settles every queued answer in one go. An ``asyncio.Semaphore`` of
 and every bulk operation keeps at most that many pending, however many ids it
 is given.
 
-Opening costs the connection set-up (``_cqlconnect.open_cluster``) and one
-round trip more: the statements of the read path (``_EAGER``) are prepared
-at once, in parallel, which also tells a missing keyspace or table. Every
+Opening costs the connection set-up (``_cqlconnect.open_cluster``) and the
+statements of the read path (``_EAGER``) prepared in parallel, which also
+tells a missing keyspace or table: with the protocol version named in the URL
+the first pool connection prepares them while the control connection is still
+being set up (no round trip more), otherwise one round trip after it. Every
 other statement is prepared on its first use. The keyspace's metadata (for
 token-aware routing) is loaded in the background; until it is there,
 requests go round robin.

@@ -10,18 +10,27 @@ Cassandra 5 and ScyllaDB:
 * the protocol version is negotiated from v5 down (the driver logs one
   "Downgrading core protocol version" line per step; ``protocol_version=N`` in
   the store URL skips that);
+* with the version named in the URL the set-up takes three round trips, not
+  the driver's six to eight: STARTUP without OPTIONS first
+  (:func:`_startup_first`), REGISTER sent with the peers and local queries
+  (:func:`_register_pipelined`), no ``system.peers_v2`` attempt below v4
+  (:func:`_skip_peers_v2`), and the pools' connections opened beside the
+  control connection, the first of them preparing the caller's statements
+  while the control connection finishes (:class:`_Warm`);
 * schema metadata is off (no refresh storms on schema changes, no schema scan
   per worker); only the store's keyspace is loaded, for token-aware routing
   (the store loads it in the background, off the path to the first read);
-* on protocol v1/v2 the pool opens with one connection per host (the driver
-  opens a pool's first connections one after another, three round trips
-  each); :func:`grow_pool` adds the rest in the background once the store
-  knows its keyspace exists;
+* on protocol v1/v2 the pool is several connections: opened ahead, all at once,
+  when the URL names the version; otherwise it opens with one connection per
+  host (the driver opens a pool's first connections one after another, three
+  round trips each) and :func:`grow_pool` adds the rest in the background;
 * token-aware routing is skipped while the cluster has a single node
   (:class:`_Routing`): every query plan is that node, and hashing each
   partition key (in Python on RandomPartitioner clusters) buys nothing;
 * reads arrive in frames of a sample each (~100 KB): the connection reads the
-  socket 256 KiB at a time (:func:`_connection_class`), not 4 KiB;
+  socket 256 KiB at a time (:func:`_connection_class`), not 4 KiB, on v1-v4
+  into one buffer per connection, each frame's body copied out once
+  (:func:`_frame_reader`);
 * the driver's libev IO loop stops its timer once no timer is pending
   (:func:`_mend_libev_timer`), so that it ends with the last connection instead
   of spinning a core after ``Cluster.shutdown()``.
@@ -603,13 +612,18 @@ def open_cluster(opts: CassandraOptions, *, pool: int = 1, prepare: Sequence[str
     caller's to prepare.
 
     ``pool``: connections per host to open now on protocol v1/v2 when the URL
-    names the version (the driver opens them one after another); the rest come
-    from :func:`grow_pool`, whose caller must end with :func:`close_leftovers`.
+    names the version and they cannot be opened ahead (the driver opens them one
+    after another); the rest come from :func:`grow_pool`. Opened ahead, the whole
+    pool is open on return. Either way the caller ends with
+    :func:`close_leftovers` after ``cluster.shutdown()``.
 
-    Round trips: the control connection's (connect, OPTIONS, STARTUP, REGISTER,
-    peers and local; one more for the peers table on servers without
-    ``system.peers_v2``), then one pool connection per host (connect, OPTIONS,
-    STARTUP), the hosts in parallel. Nothing else: no schema, no keyspace.
+    Round trips with the version named: the control connection's (connect,
+    STARTUP, then REGISTER with the peers and local queries); beside it, the
+    pools' connections to the contact points (connect, STARTUP) and the first
+    one's PREPAREs. Negotiated: the control connection's (connect, OPTIONS,
+    STARTUP, REGISTER, peers and local; one more for the peers table on servers
+    without ``system.peers_v2``), then one pool connection per host (connect,
+    OPTIONS, STARTUP), the hosts in parallel. Nothing else: no schema, no keyspace.
     """
     from cassandra import ConsistencyLevel, ProtocolVersion
     from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile
