@@ -2,7 +2,7 @@
 
     python -m dataferry.bench.client_cpu [--images 1024] [--epochs 3] [--repeats 5]
                                          [--rtts 0] [--batch-size 256] [--data synthetic|random]
-                                         [--pin] [--floor] [--no-memory]
+                                         [--pin] [--floor] [--no-memory] [--fetch-sizes 4,8,32,128]
 
 A real ``dataferry serve`` (its own process, :func:`~._common.data_server`)
 over a SQLite store of ``--images`` samples of about 110 KB (synthetic JPEGs,
@@ -26,6 +26,11 @@ a ring of buffers as large as the Loader's (CPU per 110 KB: the socket
 copy and the loopback TCP work, no Python per sample). On loopback the
 receiver pays more than over a NIC: the ACKs it sends are processed, and the
 sender's next segments transmitted and queued, in its own system time.
+
+``--fetch-sizes`` adds ``HttpSource.fetch`` alone, without the engine: 4
+tasks sending requests of each size, the loop thread's CPU (user + system,
+``time.thread_time``) per sample, median of ``--repeats``; with two sizes or
+more, the CPU per request and per sample fitted to them (``a / n + b``).
 
 ``--pin`` runs the server (and the floor's sender) on CPU 0 and this process
 on the others (``taskset`` / ``os.sched_setaffinity``), so the client's
@@ -141,6 +146,57 @@ def recv_floor(samples: int, *, sender_cpus: set[int] | None = None, chunk: int 
     return Run(n, (u1 - u0) + (s1 - s0), wall, u1 - u0, s1 - s0)
 
 
+def fetch_alone(url: str, dataset: str, sizes: list[int], *, samples: int = 2048, concurrency: int = 4,
+                repeats: int = 3) -> dict[int, list[float]]:
+    """``HttpSource.fetch`` alone, no engine: ``concurrency`` tasks sending
+    requests of ``n`` ids for each ``n`` of ``sizes``, ``samples`` in all per
+    measurement; the loop thread's CPU (user + system) per sample, one figure
+    per repeat."""
+    import asyncio
+
+    from dataferry.client import HttpSource
+    from dataferry.schema._aio import new_event_loop
+
+    async def one(src, n: int, ids: list[int]) -> float:
+        got = 0
+
+        async def worker(k: int) -> None:
+            nonlocal got
+            for i in range(0, samples // concurrency, n):
+                async for _ in src.fetch(dataset, [ids[(k * 257 + i + j) % len(ids)] for j in range(n)]):
+                    got += 1
+
+        c0 = time.thread_time()
+        await asyncio.gather(*(worker(k) for k in range(concurrency)))
+        return (time.thread_time() - c0) / max(got, 1) * 1e6
+
+    async def go() -> dict[int, list[float]]:
+        async with await HttpSource.open(url) as src:
+            ids = (await src.read_split(dataset, "all")).ids.tolist()
+            for n in sizes:
+                await one(src, n, ids)  # warm: connections, arenas
+            out: dict[int, list[float]] = {}
+            for _ in range(repeats):
+                for n in sizes:
+                    out.setdefault(n, []).append(await one(src, n, ids))
+            return out
+
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(go())
+    finally:
+        loop.close()
+
+
+def fit_per_request(medians: dict[int, float]) -> tuple[float, float]:
+    """Least squares of ``us_per_sample = a / n + b``: ``(a, b)``, CPU per request and per sample."""
+    xs, ys = [1 / n for n in medians], list(medians.values())
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return a, my - a * mx
+
+
 def _row(name: str, rtt: str, runs: list[Run]) -> list[str]:
     med = statistics.median
     return [name, rtt, f"{med(r.us_per_sample for r in runs):.1f}", f"{med(r.user_us for r in runs):.1f}",
@@ -166,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-memory", action="store_true", help="leave out the MemorySource reference row")
     p.add_argument("--floor", action="store_true", help="add the kernel's share: a bare loopback recv_into of the bytes")
     p.add_argument("--pin", action="store_true", help="the server on CPU 0, this process on the others")
+    p.add_argument("--fetch-sizes", default="",
+                   help="comma-separated request sizes: also HttpSource.fetch alone (no engine) at each, and the "
+                        "CPU per request and per sample fitted to them")
     args = p.parse_args(argv)
     rtts = [float(x) for x in args.rtts.split(",") if x.strip()]
 
@@ -203,6 +262,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"http rtt {rtt:g} ms: {row[2]} us/sample (runs: {each}), user {row[3]}, sys {row[4]}, "
                   f"{row[5]} samples/s", flush=True)
             rows.append(row)
+        sizes = [int(x) for x in args.fetch_sizes.split(",") if x.strip()]
+        if sizes:
+            got = fetch_alone(f"http://{server[0]}:{server[1]}", DATASET, sizes, repeats=args.repeats)
+            medians = {n: statistics.median(v) for n, v in got.items()}
+            for n, v in got.items():
+                rows.append([f"HttpSource.fetch alone, {n} ids a request", "0", f"{medians[n]:.1f}", "-", "-", "-"])
+            if len(sizes) > 1:
+                per_request, per_sample = fit_per_request(medians)
+                print(f"fetch alone: {per_request:.0f} us per request + {per_sample:.1f} us per sample "
+                      f"(fitted to {len(sizes)} sizes)", flush=True)
     print()
     print(f"{args.images} samples of ~110 KB, {args.epochs} epochs per run, batch {args.batch_size}, "
           f"median of {args.repeats} runs; client CPU = this process only"

@@ -375,8 +375,16 @@ def test_a_record_that_does_not_fit_moves_to_a_new_region():
 def test_client_cpu_bench_smoke(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "dataferry.bench.client_cpu", "--data", "random", "--images", "64", "--epochs", "1",
-         "--repeats", "1", "--batch-size", "16", "--no-memory"],
+         "--repeats", "1", "--batch-size", "16", "--no-memory", "--fetch-sizes", "4,8"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "client CPU us/sample" in out.stdout and "HTTP, direct" in out.stdout
+    assert "HttpSource.fetch alone, 8 ids a request" in out.stdout and "us per request +" in out.stdout
+
+
+def test_the_per_request_fit_recovers_a_known_split():
+    from dataferry.bench.client_cpu import fit_per_request
+
+    a, b = fit_per_request({n: 90 / n + 25 for n in (4, 8, 32, 128)})
+    assert round(a, 6) == 90 and round(b, 6) == 25
