@@ -80,6 +80,12 @@ def _chunks(seq: Sequence, n: int):
         yield seq[i : i + n]
 
 
+def _answers(dataset: str, group: Sequence[int], rows: list[tuple]) -> list[FetchResult]:
+    """One query's results, in the order of ``group``: a Sample per row, SampleNotFound for an id with none."""
+    found = {r[0]: Sample(r[0], r[1], r[2], r[3]) for r in rows}
+    return [s if (s := found.get(i)) is not None else SampleNotFound(dataset, i) for i in group]
+
+
 class SqliteStore:
     """The embedded store. Open with :func:`dataferry.schema.open_store`."""
 
@@ -214,7 +220,7 @@ class SqliteStore:
     # --- the seam ------------------------------------------------------------
     async def fetch(self, dataset: str, ids: Sequence[int]) -> AsyncIterator[FetchResult]:
         n = self._opts.ids_per_query
-        groups = iter(_chunks(list(ids), n))
+        ids = list(ids)
         pending: set[asyncio.Future] = set()
         window = 2 * self._opts.readers
 
@@ -223,6 +229,11 @@ class SqliteStore:
             sql = f"SELECT id, label, data, target FROM samples WHERE dataset=? AND id IN ({marks})"
             return group, conn.execute(sql, (dataset, *group)).fetchall()
 
+        if 0 < len(ids) <= n:  # one query (a served request's ids): awaited here, no task and no wait()
+            for result in _answers(dataset, *await self._read(lambda c: query(c, ids))):
+                yield result
+            return
+        groups = iter(_chunks(ids, n))
         try:
             while True:
                 while len(pending) < window:
@@ -234,11 +245,8 @@ class SqliteStore:
                     return
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for fut in done:
-                    group, rows = fut.result()
-                    found = {r[0]: Sample(r[0], r[1], r[2], r[3]) for r in rows}
-                    for i in group:
-                        s = found.get(i)
-                        yield s if s is not None else SampleNotFound(dataset, i)
+                    for result in _answers(dataset, *fut.result()):
+                        yield result
         finally:
             for fut in pending:
                 fut.cancel()

@@ -122,7 +122,10 @@ async def limit_middleware(request: web.Request, handler: Handler) -> web.Stream
     if request.body_exists:
         await read_body(request, options)  # before the slot: a stalled upload holds none
     try:
-        async with asyncio.timeout(options.queue_timeout):
+        if sem.locked():  # else acquire() takes a slot at once: no timer for it
+            async with asyncio.timeout(options.queue_timeout):
+                await sem.acquire()
+        else:
             await sem.acquire()
     except TimeoutError:
         raise http_error(

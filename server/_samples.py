@@ -263,6 +263,8 @@ async def _send(writer: AbstractStreamWriter, parts: list[_Buffer], options: Ser
     transport.writelines(parts)
     writer.output_size += size
     metrics.bytes.inc(size)
+    if not transport.get_write_buffer_size():
+        return  # the kernel took it all: drain() would not wait, so no timer for it
     try:
         async with asyncio.timeout(options.send_timeout):
             await writer.drain()
