@@ -13,6 +13,9 @@ from __future__ import annotations
 import asyncio
 import http.client
 import os
+import socket
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -144,3 +147,38 @@ def test_a_served_sample_costs_the_server_no_page_fault_once_warm(tmp_path, serv
     per_sample = (minor_faults(s.proc.pid) - before) / (rounds * 48)
     # a 150-330 KB blob is 37-80 pages: freed memory given back and taken again faults on each
     assert per_sample < 2, f"{per_sample:.1f} minor page faults per served sample once warm"
+
+
+def test_a_client_that_stops_reading_is_dropped_after_send_timeout(tmp_path):
+    """The send timer is armed only when the kernel leaves bytes in the
+    transport; a client that stops reading still leaves them there."""
+    from dataferry.server import ServerOptions, make_app
+    from server_kit import live_server, parse_metrics
+
+    samples = make_samples(30, size=400_000, seed=4)  # 12 MB: more than the sockets' buffers hold
+    url = seed_url(f"sqlite://{tmp_path / 's.db'}", "d", samples)
+    with live_server(lambda: make_app(url, ServerOptions(send_timeout=0.5))) as live:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        sock.connect(("127.0.0.1", live.port))
+        body = encode_ids([x.id for x in samples])
+        sock.sendall(b"POST /v1/datasets/d/samples HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 15
+        dropped = 0.0
+        while time.monotonic() < deadline and not dropped:
+            time.sleep(0.1)
+            with urllib.request.urlopen(f"{live.base}/metrics", timeout=10) as resp:
+                dropped = parse_metrics(resp.read().decode()).get(
+                    'dataferry_server_errors_total{error="send_timeout"}', 0.0)
+        received = 0
+        sock.settimeout(10)
+        try:
+            while chunk := sock.recv(1 << 20):
+                received += len(chunk)
+        except ConnectionResetError:
+            pass
+        finally:
+            sock.close()
+    assert dropped == 1
+    assert received < sum(len(x.data) for x in samples)  # the stream was cut, not finished
