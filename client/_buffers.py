@@ -17,7 +17,9 @@ Every view of an arena, and every numpy array or memoryview made from one
 exactly when only the pool refers to it (its reference count says so). The
 pool keeps the arenas it lent in a ring and looks at all of them each time it
 needs a new arena (once per arena, some dozens of samples, not per sample):
-the free ones are taken back. Looking at only a few let free arenas sit
+the free ones are taken back, with whatever room of theirs was waiting for
+another response (else an arena whose samples are gone but whose last 100 KB
+no response could use stayed out of reach, and a new one was made). Looking at only a few let free arenas sit
 unseen while fresh ones were made, each a page fault per 4 KiB (measured:
 fresh arenas were 12% of the client's CPU on loopback). The price of arenas:
 one sample kept by the consumer keeps its whole arena (at most ``arena``
@@ -96,6 +98,7 @@ class BufferPool:
                 del rooms[k]
                 self._room(buf, start + n, stop)
                 return buf, start, start + n
+        buf = None  # a reference of ours would make that arena look in use to _arena
         if least is not None and rooms and rooms[-1][2] - rooms[-1][1] >= least:
             return rooms.pop()
         buf = self._arena(n)
@@ -121,9 +124,15 @@ class BufferPool:
 
     def _arena(self, n: int) -> bytearray:
         lent = self._lent
+        in_rooms: dict[int, int] = {}
+        for room in self._rooms:
+            in_rooms[id(room[0])] = in_rooms.get(id(room[0]), 0) + 1
         for _ in range(len(lent)):  # every lent arena: this runs once per arena, not per sample
             buf = lent.popleft()
-            if sys.getrefcount(buf) == _ONLY_US_POPPED:
+            rooms = in_rooms.get(id(buf), 0)
+            if sys.getrefcount(buf) == _ONLY_US_POPPED + rooms:  # nothing but the pool (and its rooms)
+                if rooms:  # free whole: its rooms go, it is reused from the start
+                    self._rooms = [r for r in self._rooms if r[0] is not buf]
                 self._keep(buf)
             else:
                 lent.append(buf)

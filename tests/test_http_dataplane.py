@@ -80,6 +80,32 @@ def test_large_samples_arrive_byte_exact_as_read_only_views(tmp_path, tls):
     assert pool.made == len(arenas)  # every arena still held: none was reused
 
 
+def test_arenas_left_with_room_are_reused_once_their_samples_are_dropped(tmp_path):
+    """Each response leaves its last arena with room the next response cannot
+    use (148 KB, records of 300 KB); once the samples are dropped those arenas
+    are reused whole, not kept for their room while new ones are made (4 more
+    per response). One arena more may be held a while by the connection's
+    last read."""
+    samples = make_samples(12, size=300_000)
+
+    async def go():
+        async with await open_store(f"sqlite://{tmp_path / 's.db'}") as store:
+            await seed(store, "d", samples)
+            async with serve(make_app(store)) as base, await HttpSource.open(
+                base, options=HttpOptions(arena=1 << 20)
+            ) as src:
+                made = []
+                for _ in range(4):
+                    got = await _drain(src.fetch("d", [s.id for s in samples]))
+                    assert len(got) == 12
+                    del got
+                    made.append(src._buffers.made)
+                return made
+
+    made = run(go())
+    assert made[0] >= 4 and made[1] <= made[0] + 1 and made[2:] == [made[1]] * 2
+
+
 def test_the_loader_reuses_buffers_and_never_one_still_held(tmp_path):
     """Over HTTP, epoch after epoch: buffers of batches the consumer dropped are
     reused; the bytes of batches it keeps (as numpy arrays and memoryview
