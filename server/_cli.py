@@ -9,7 +9,9 @@ works: the line ``dataferry serve: listening on http(s)://HOST:PORT`` on
 stdout names the real port. The app runs under :class:`~._protocol.Runner`
 (JSON answers to malformed HTTP too) on uvloop; on SIGTERM or SIGINT the
 server stops accepting, gives in-flight responses ``--grace`` seconds, then
-closes the store.
+closes the store. From that line on, the two signals are blocked until the
+loop's handlers are in place: one that comes while the server starts is
+handled then, never the default action (killed).
 
 ``--workers N`` (default: the cores this process may use) runs N such
 servers in N processes on the one port, under a supervising parent
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 from collections.abc import Callable
@@ -30,6 +33,8 @@ if TYPE_CHECKING:
     import asyncio
 
 __all__ = ["add_cli_arguments", "cli", "main"]
+
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
@@ -143,6 +148,9 @@ def _serve(args: argparse.Namespace, workers: int) -> int:
     host, port = socks[0].getsockname()[:2]
     scheme = "https" if tls else "http"
     shown = f"[{host}]" if ":" in host else host
+    # from the announcement on, SIGTERM/SIGINT wait (blocked) until a loop handles them (``_run``); the
+    # parent of --workers N takes them with sigwaitinfo, and its workers inherit them blocked
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     print(f"dataferry serve: listening on {scheme}://{shown}:{port}", flush=True)
     access_log = None if args.no_access_log else logging.getLogger("aiohttp.access")
     if workers == 1:
@@ -232,7 +240,6 @@ async def _run(app, sock: socket.socket, tls, access_log: logging.Logger | None,
     """Serve ``app`` on ``sock`` until SIGTERM or SIGINT; then stop accepting,
     give in-flight responses ``grace`` seconds, and run the app's cleanup."""
     import asyncio
-    import signal
 
     from aiohttp import web
 
@@ -246,8 +253,9 @@ async def _run(app, sock: socket.socket, tls, access_log: logging.Logger | None,
             started()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in _STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # one that came while starting is handled now
         await stop.wait()
     finally:
         await runner.cleanup()

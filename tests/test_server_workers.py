@@ -242,6 +242,17 @@ def _records(raw: bytes) -> list[int]:
         ids.append(id_)
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_sigterm_as_soon_as_the_port_is_announced_stops_the_server_with_status_0(served, workers):
+    """The signal comes while the workers are still starting (importing, opening
+    the store), before their loops handle it: it waits for them, it does not
+    kill them (which the parent took for a failed stop: exit status 1)."""
+    s = served("--workers", workers)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.stop() == 0, s.log.read_text()
+    assert "killed by" not in s.log.read_text()
+
+
 def test_a_killed_worker_is_restarted_and_its_counts_kept(served):
     s = served("--workers", "2")
     pids = s.workers(2)
