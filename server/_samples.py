@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -244,6 +245,21 @@ async def stream_samples(request: web.Request, gate: StoreGate, dataset: str, id
         await asyncio.gather(producer, return_exceptions=True)
 
 
+#: CPython's selector transport's ``writelines`` did not pause its protocol past the
+#: high-water mark in 3.12.0-3.12.8 and 3.13.0-3.13.1 (CVE-2024-12254), so ``drain``
+#: would never wait and a slow client's bytes would pile up; aiohttp avoids it there too.
+_WRITELINES_UNSAFE = (3, 12) <= sys.version_info < (3, 12, 9) or (3, 13) <= sys.version_info < (3, 13, 2)
+
+
+def _writelines(transport: asyncio.BaseTransport, parts: list[_Buffer]) -> None:
+    """``transport.writelines(parts)``, or one ``write`` per part where asyncio's is unsafe (uvloop's never is)."""
+    if _WRITELINES_UNSAFE and type(transport).__module__.startswith("asyncio"):
+        for part in parts:
+            transport.write(part)  # each write checks the high-water mark
+    else:
+        transport.writelines(parts)
+
+
 async def _send(writer: AbstractStreamWriter, parts: list[_Buffer], options: ServerOptions, metrics: Metrics) -> None:
     """``parts`` as one HTTP chunk, without joining them.
 
@@ -260,7 +276,7 @@ async def _send(writer: AbstractStreamWriter, parts: list[_Buffer], options: Ser
     size = sum(map(len, parts))
     parts.insert(0, b"%x\r\n" % size)
     parts.append(b"\r\n")
-    transport.writelines(parts)
+    _writelines(transport, parts)
     writer.output_size += size
     metrics.bytes.inc(size)
     if not transport.get_write_buffer_size():

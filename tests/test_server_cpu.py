@@ -149,15 +149,21 @@ def test_a_served_sample_costs_the_server_no_page_fault_once_warm(tmp_path, serv
     assert per_sample < 2, f"{per_sample:.1f} minor page faults per served sample once warm"
 
 
-def test_a_client_that_stops_reading_is_dropped_after_send_timeout(tmp_path):
+@pytest.mark.parametrize("writes", ["writelines", "one write per part"])
+def test_a_client_that_stops_reading_is_dropped_after_send_timeout(tmp_path, monkeypatch, writes):
     """The send timer is armed only when the kernel leaves bytes in the
-    transport; a client that stops reading still leaves them there."""
-    from dataferry.server import ServerOptions, make_app
+    transport; a client that stops reading still leaves them there. Also with
+    one ``write`` per part, the path taken on the CPython versions whose
+    ``writelines`` never pauses the protocol (CVE-2024-12254)."""
+    from dataferry.server import ServerOptions, _samples, make_app
     from server_kit import live_server, parse_metrics
 
+    monkeypatch.setattr(_samples, "_WRITELINES_UNSAFE", writes != "writelines")
     samples = make_samples(30, size=400_000, seed=4)  # 12 MB: more than the sockets' buffers hold
     url = seed_url(f"sqlite://{tmp_path / 's.db'}", "d", samples)
     with live_server(lambda: make_app(url, ServerOptions(send_timeout=0.5))) as live:
+        got = fetch(live, [x.id for x in samples])
+        assert {i: bytes(s.data) for i, s in got.items()} == {x.id: bytes(x.data) for x in samples}
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
         sock.connect(("127.0.0.1", live.port))
