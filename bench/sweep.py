@@ -36,6 +36,7 @@ import csv
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -96,12 +97,11 @@ class SweepOptions:
         unknown = [n for n in self.loaders if n not in LOADERS]
         if unknown or not self.loaders:
             raise ConfigError(f"unknown loaders {unknown or '(none)'}; choose from {', '.join(LOADERS)}")
-        import math
 
-        def bad(values) -> bool:  # NaN compares False with everything: test finiteness, not just the sign
-            return not values or any(not (math.isfinite(v) and v >= 0) for v in values)
+        def nonneg(v: float) -> bool:  # NaN compares False with everything: test finiteness, not just the sign
+            return math.isfinite(v) and v >= 0
 
-        if bad(self.rtts) or bad(self.losses) or not self.rates:
+        if not (self.rtts and self.losses and self.rates and all(map(nonneg, (*self.rtts, *self.losses)))):
             raise ConfigError("RTTs and losses are finite and >= 0, and each list has at least one value")
         for name in ("images", "repeats", "batch_size", "workers", "naive_workers", "concurrent_workers", "pool",
                      "concurrency"):
@@ -110,8 +110,8 @@ class SweepOptions:
         for name in ("max_samples", "inflight"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1 (or None: the default), got {getattr(self, name)}")
-        if not (math.isfinite(self.seconds) and self.seconds > 0 and math.isfinite(self.shard_mb)
-                and self.shard_mb > 0 and math.isfinite(self.jitter_ms) and self.jitter_ms >= 0):
+        if not (nonneg(self.seconds) and self.seconds > 0 and nonneg(self.shard_mb) and self.shard_mb > 0
+                and nonneg(self.jitter_ms)):
             raise ConfigError("seconds and shard size must be finite and > 0, jitter finite and >= 0")
 
     def conditions(self) -> list[Condition]:
