@@ -84,7 +84,7 @@ from dataferry.schema._wire import (
     encode_ids,
 )
 
-from ._buffers import BufferPool
+from ._buffers import ARENA, BufferPool
 from ._conn import Connection, HttpProtocolError, Pool, Unreachable, collector, read_body
 
 __all__ = ["HttpSource", "HttpOptions", "TokenRefused", "RequestRejected"]
@@ -127,7 +127,7 @@ class HttpOptions:
     spare_buffers: int = 512 << 20
     #: bytes of one receive arena: samples are read many at a time into arenas
     #: (``_buffers.py``); one sample kept after its batch keeps its arena from reuse
-    arena: int = 4 << 20
+    arena: int = ARENA
 
     def __post_init__(self) -> None:
         _check(self.connections >= 1, f"connections must be >= 1, not {self.connections}")
