@@ -253,10 +253,7 @@ def _libev_read(base):
             try:
                 buf = self._socket.recv(size)
             except OSError as err:
-                if err.args and err.args[0] in (again if isinstance(err, ssl.SSLError) else NONBLOCKING):
-                    return None  # nothing more to read now
-                self.defunct(err)
-                return None
+                return _read_failed(self, err, again, NONBLOCKING)
             if not buf:  # closed by the server
                 self.close()
                 return None
@@ -266,6 +263,13 @@ def _libev_read(base):
                 return None
 
     return handle_read
+
+
+def _read_failed(conn, err: OSError, again: tuple, nonblocking: tuple) -> None:
+    """After a read of ``conn``'s socket raised ``err``: nothing more to read now (``again`` for
+    SSL, ``nonblocking`` otherwise: the errnos that say so), or ``conn`` is defunct."""
+    if not (err.args and err.args[0] in (again if isinstance(err, ssl.SSLError) else nonblocking)):
+        conn.defunct(err)
 
 
 def _frame_reader():
@@ -308,10 +312,7 @@ def _frame_reader():
                 with memoryview(buf) as view:
                     n = self._socket.recv_into(view[end:])
             except OSError as err:
-                if err.args and err.args[0] in (again if isinstance(err, ssl.SSLError) else nonblocking):
-                    return None  # nothing more to read now
-                self.defunct(err)
-                return None
+                return _read_failed(self, err, again, nonblocking)
             if not n:  # closed by the server
                 self.close()
                 return None
