@@ -184,14 +184,7 @@ def test_a_response_expecting_more_than_an_arena_fills_arenas_of_the_usual_size(
     body = b"".join(b"".join(encode_sample(r)) for r in records) + encode_end(40)
     for _ in range(3):
         dec = FrameDecoder("d", arena=pool.take, give_back=pool.give_back, expect=40, mean=103_000)
-        at = 0
-        while not dec.done:
-            view = dec.sink()
-            k = min(len(view), 256 << 10, len(body) - at)
-            view[:k] = body[at : at + k]
-            at += k
-            dec.sunk(k)
-        got = dec.take()
+        got = _read_as_a_socket(dec, body, 256 << 10)
         assert got == [*records, EndRecord(40)]
         assert {len(r.data.obj) for r in got[:-1]} == {1 << 20}
         del got
@@ -381,20 +374,26 @@ def test_a_record_that_does_not_fit_moves_to_a_new_region():
         return pool.take(n, least)
 
     dec = FrameDecoder("d", arena=arena, give_back=pool.give_back, expect=7, mean=20_000)
-    at = 0
-    while not dec.done:
-        view = dec.sink()
-        k = min(len(view), 30_000, len(body) - at)  # reads of at most 30 KB, as a socket gives them
-        view[:k] = body[at : at + k]
-        at += k
-        dec.sunk(k)
-    got = dec.take()
+    got = _read_as_a_socket(dec, body, 30_000)
     assert got == [*records, EndRecord(7)]
     assert asked[0] == int(7 * 20_000 * 17 / 16) + 28  # the guess from the hint
     assert asked[1] == 300_028  # big, which did not fit: a region of its own size, in an arena of its own
     assert got[3].data.obj is not got[0].data.obj and len(got[3].data.obj) == size_class(300_028)
     assert got[4].data.obj is got[0].data.obj  # then back to the first arena's room
     assert pool.made == 2
+
+
+def _read_as_a_socket(dec, body: bytes, most: int) -> list:
+    """``body`` written into ``dec.sink()`` reads of at most ``most`` bytes, as a
+    socket gives them, to its end; the records decoded."""
+    at = 0
+    while not dec.done:
+        view = dec.sink()
+        k = min(len(view), most, len(body) - at)
+        view[:k] = body[at : at + k]
+        at += k
+        dec.sunk(k)
+    return dec.take()
 
 
 # --- the benchmark runs ---------------------------------------------------------------------------------
