@@ -14,6 +14,8 @@ import asyncio
 import http.client
 import os
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -98,6 +100,44 @@ def test_mmap_size_zero_in_the_url_turns_the_mapping_off(tmp_path, server):
     s = server(f"sqlite://{path}?mmap_size=0")
     assert len(fetch(s, [x.id for x in samples])) == 6
     assert not mapped(s.proc.pid, str(path))
+
+
+#: run in a fresh interpreter: SQLite set to map every file by default (a build with
+#: SQLITE_DEFAULT_MMAP_SIZE > 0), before its first connection; then the store at argv[1]
+#: opened directly and with argv[2] (``?mmap_size=0``) maps nothing
+_MAPS_BY_DEFAULT = """
+import asyncio, ctypes, os, sqlite3, sys, _sqlite3
+lib = ctypes.CDLL(_sqlite3.__file__)  # its libsqlite3, whichever that is
+assert lib.sqlite3_shutdown() == 0
+assert lib.sqlite3_config(ctypes.c_int(22), ctypes.c_int64(1 << 30), ctypes.c_int64(1 << 31)) == 0  # MMAP_SIZE
+from dataferry.schema import open_store
+real = os.path.realpath(sys.argv[3])
+def mapped():
+    with open("/proc/self/maps") as fh:
+        return any(line.rstrip().endswith(real) for line in fh)
+plain = sqlite3.connect(sys.argv[3])
+plain.execute("SELECT data FROM samples").fetchall()
+assert mapped(), "sqlite3_config(SQLITE_CONFIG_MMAP_SIZE) did not take"
+plain.close()
+assert not mapped()
+async def read(url):
+    async with await open_store(url, create=False) as store:
+        assert len([r async for r in store.fetch("d", [int(i) for i in sys.argv[4:]])]) == len(sys.argv) - 4
+        return mapped()
+print("mapped:", asyncio.run(read(sys.argv[1])), asyncio.run(read(sys.argv[2])))
+"""
+
+
+def test_an_unset_or_zero_mmap_size_maps_nothing_where_sqlite_maps_by_default(tmp_path):
+    """``mmap_size`` unset on a direct open, or 0, is no mapping even where
+    SQLite's build maps files by default, not "SQLite's default"."""
+    path = tmp_path / "s.db"
+    samples = make_samples(6, size=5000)
+    url = seed_url(f"sqlite://{path}", "d", samples)
+    out = subprocess.run([sys.executable, "-c", _MAPS_BY_DEFAULT, url, f"{url}?mmap_size=0", str(path),
+                          *(str(x.id) for x in samples)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["mapped:", "False", "False"], out.stdout
 
 
 def test_a_negative_mmap_size_is_refused_naming_it():
