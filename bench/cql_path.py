@@ -263,8 +263,7 @@ def read_path(frames: int, repeats: int) -> list[list[str]]:
                     t = statistics.median(_read_path_once(conn, handle_read, frames, buffer) for _ in range(repeats))
                     rows.append([name, "4 MiB" if buffer else "default", f"{t * 1e6:.1f}", f"{0.11 / t / 1e3:.2f}"])
         finally:
-            cluster.shutdown()
-            _cqlconnect.close_leftovers(cluster)
+            _cqlconnect.shutdown(cluster)
         del session
     return rows
 

@@ -41,7 +41,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
 from contextlib import aclosing
 
-from ._cqlconnect import close_leftovers, grow_pool, on_new_connection, open_cluster, pool_capacity, translate, where
+from ._cqlconnect import grow_pool, on_new_connection, open_cluster, pool_capacity, shutdown, translate, where
 from ._errors import DatasetNotFound, SampleNotFound, SplitNotFound, StoreError, StoreUnavailable
 from ._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo, check_name
 from ._splits import DerivedSplit
@@ -131,13 +131,6 @@ def _refused_unsent(exc: BaseException) -> bool:
     return bool(errors) and all(isinstance(e, ConnectionBusy) for e in errors.values())
 
 
-def _shutdown(cluster) -> None:
-    """Blocking: shut ``cluster`` down, with the connections it leaves open (``close_leftovers``:
-    one ``grow_pool`` was opening when the pool closed, or one opened ahead that no pool took)."""
-    cluster.shutdown()
-    close_leftovers(cluster)
-
-
 class CassandraStore:
     """The Cassandra/ScyllaDB store. Open with :func:`dataferry.schema.open_store`."""
 
@@ -184,7 +177,7 @@ class CassandraStore:
         prepared = await asyncio.gather(*(prepare(n) for n in _EAGER), return_exceptions=True)
         failed = next((p for p in prepared if isinstance(p, BaseException)), None)
         if failed is not None:
-            await asyncio.to_thread(_shutdown, cluster)
+            await asyncio.to_thread(shutdown, cluster)
             if not isinstance(failed, Exception):
                 raise failed
             if _no_keyspace(failed, opts.keyspace):
@@ -553,10 +546,7 @@ class CassandraStore:
         except TimeoutError:
             pass  # the server is slow or gone: shut down anyway
         finally:
-            await asyncio.to_thread(self._shutdown)
-
-    def _shutdown(self) -> None:
-        _shutdown(self._cluster)
+            await asyncio.to_thread(shutdown, self._cluster)
 
     async def __aenter__(self) -> CassandraStore:
         return self

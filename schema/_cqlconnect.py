@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from ._errors import ConfigError, StoreError, StoreTimeout, StoreUnavailable
 from ._url import CassandraOptions, redact_url
 
-__all__ = ["connect", "open_cluster", "grow_pool", "pool_capacity", "on_new_connection", "close_leftovers",
+__all__ = ["connect", "open_cluster", "grow_pool", "pool_capacity", "on_new_connection", "shutdown",
            "release_warm", "translate", "where"]
 
 
@@ -544,14 +544,16 @@ def on_new_connection(cluster, callback) -> None:
     cluster.connection_class.listeners.append(callback)
 
 
-def close_leftovers(cluster) -> None:
-    """After ``cluster.shutdown()``: close the connections it left open.
+def shutdown(cluster) -> None:
+    """Blocking: ``cluster.shutdown()``, then close the connections it left open.
 
     The driver opens pool connections in the background (:func:`grow_pool`) and
     adds one that was being opened when the pool shut down to the closed pool,
     open, for good, keeping its IO loop alive. ``shutdown()`` waits for those
-    openings to end; this closes what they left.
+    openings to end; this closes what they left, and the connections opened
+    ahead that no pool took (:class:`_Warm`).
     """
+    cluster.shutdown()
     release_warm(cluster)
     for conn in list(getattr(cluster.connection_class, "opened", ())):
         if not conn.is_closed:
@@ -616,7 +618,7 @@ def open_cluster(opts: CassandraOptions, *, pool: int = 1, prepare: Sequence[str
     names the version and they cannot be opened ahead (the driver opens them one
     after another); the rest come from :func:`grow_pool`. Opened ahead, the whole
     pool is open on return. Either way the caller ends with
-    :func:`close_leftovers` after ``cluster.shutdown()``.
+    :func:`shutdown`, not ``cluster.shutdown()`` alone.
 
     Round trips with the version named: the control connection's (connect,
     STARTUP, then REGISTER with the peers and local queries); beside it, the
@@ -669,8 +671,7 @@ def open_cluster(opts: CassandraOptions, *, pool: int = 1, prepare: Sequence[str
     try:
         session = cluster.connect()
     except Exception as exc:
-        cluster.shutdown()
-        close_leftovers(cluster)
+        shutdown(cluster)
         err = translate(exc, f"cannot connect to cassandra store {where(opts)}")
         raise err from (None if err is exc else exc)
     return cluster, session, _prepared_early(cluster, prepare) if prepare else {}
@@ -692,8 +693,7 @@ def connect(opts: CassandraOptions, **cluster_args):
             cluster.refresh_keyspace_metadata(opts.keyspace)
         release_warm(cluster)
     except Exception as exc:
-        cluster.shutdown()
-        close_leftovers(cluster)
+        shutdown(cluster)
         err = translate(exc, f"cannot connect to cassandra store {where(opts)}")
         raise err from (None if err is exc else exc)
     return cluster, session, exists

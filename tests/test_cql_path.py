@@ -399,7 +399,7 @@ def test_the_frame_reader_hands_over_every_frame_whole_however_the_bytes_arrive(
     import socket
     import struct
 
-    from dataferry.schema._cqlconnect import _READ_SIZE, close_leftovers, open_cluster
+    from dataferry.schema._cqlconnect import _READ_SIZE, open_cluster, shutdown
 
     url, _, _ = dataset
     cluster, session, _ = open_cluster(parse_store_url(_url(url)))  # the session holds the pool
@@ -453,5 +453,4 @@ def test_the_frame_reader_hands_over_every_frame_whole_however_the_bytes_arrive(
             ours.close()
             theirs.close()
     finally:
-        cluster.shutdown()
-        close_leftovers(cluster)
+        shutdown(cluster)
