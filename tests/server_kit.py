@@ -27,6 +27,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -256,6 +257,21 @@ class RawHttpServer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._server.wait_closed()
+
+
+@contextlib.contextmanager
+def ended_after(make: Callable[..., Any], end: Callable[[Any], None]) -> Iterator[Callable[..., Any]]:
+    """A fixture's factory of processes: ``start(*args)`` is ``make(*args)``,
+    and each one made is ended with ``end`` when the block ends (the last
+    first; the others still if one's ``end`` fails)."""
+    with contextlib.ExitStack() as stack:
+
+        def start(*args: Any) -> Any:
+            made = make(*args)
+            stack.callback(end, made)
+            return made
+
+        yield start
 
 
 class ServerProcess:

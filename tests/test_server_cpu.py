@@ -27,7 +27,7 @@ from dataferry.schema._errors import ConfigError
 from dataferry.schema._model import Sample
 from dataferry.schema._url import parse_store_url
 from dataferry.schema._wire import encode_ids
-from server_kit import ServerProcess, decode, make_samples, seed, seed_url
+from server_kit import ServerProcess, decode, ended_after, make_samples, seed, seed_url
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 
@@ -63,16 +63,9 @@ def minor_faults(pid: int) -> int:
 
 @pytest.fixture
 def server():
-    made: list[ServerProcess] = []
-
-    def start(url: str, *args: str) -> ServerProcess:
-        s = ServerProcess(url, 0, "--workers", "1", *args)
-        made.append(s)
-        return s
-
-    yield start
-    for s in made:
-        s.kill()
+    """``server(url, *args)``: ``dataferry serve --workers 1`` on a free port, killed after the test."""
+    with ended_after(lambda url, *args: ServerProcess(url, 0, "--workers", "1", *args), ServerProcess.kill) as start:
+        yield start
 
 
 def test_the_server_reads_sqlite_through_mmap_and_a_direct_open_does_not(tmp_path, server):

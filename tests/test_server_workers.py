@@ -10,6 +10,7 @@ SIGKILL takes its workers with it.
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import os
 import re
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from dataferry.schema._wire import HEADER, encode_ids
-from server_kit import make_samples, parse_metrics, seed_url
+from server_kit import ended_after, make_samples, parse_metrics, seed_url
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or not os.path.isdir("/proc"), reason="forks; reads /proc")
 
@@ -147,16 +148,9 @@ def store_url(tmp_path):
 
 @pytest.fixture
 def served(store_url, tmp_path):
-    made: list[Served] = []
-
-    def start(*args: str) -> Served:
-        s = Served(store_url, tmp_path / f"server-{len(made)}.log", *args)
-        made.append(s)
-        return s
-
-    yield start
-    for s in made:
-        s.kill_all()
+    logs = (tmp_path / f"server-{k}.log" for k in itertools.count())
+    with ended_after(lambda *args: Served(store_url, next(logs), *args), Served.kill_all) as start:
+        yield start
 
 
 def test_workers_share_the_port_and_metrics_sum_across_them(served, store_url):
