@@ -257,8 +257,7 @@ class HttpSource:
                     elif conn.complete:  # the body's end (after END, so the connection goes back to the pool)
                         if not decoder.done:
                             raise ConnectionResetError("the answer ended in the middle of the records")
-                        if decoder.count:  # what the next response's arena region is sized by
-                            self._mean_record = decoder.nbytes / decoder.count
+                        self._mean_record = decoder.mean  # what the next response's arena region is sized by
                         return
                     else:
                         await conn.wait()

@@ -169,7 +169,8 @@ class FrameDecoder:
     write, once done. Decoded records wait in :attr:`records` (``ready_bytes``
     of sample data) until the caller takes them; :attr:`done` is set after END
     or ERROR; :attr:`count` and :attr:`nbytes` are the records parsed and their
-    bytes. Bytes that break the format raise WireFormatError.
+    bytes, :attr:`mean` their mean size. Bytes that break the format raise
+    WireFormatError.
     """
 
     __slots__ = ("dataset", "records", "ready_bytes", "done", "count", "nbytes", "_max", "_arena", "_give_back",
@@ -229,22 +230,24 @@ class FrameDecoder:
         self.ready_bytes = 0
         return out
 
+    @property
+    def mean(self) -> float:
+        """Bytes per record parsed so far (before the first: the ``mean`` hint)."""
+        return self.nbytes / self.count if self.count else self._mean
+
     # --- in the arena ------------------------------------------------------------------
     def _rest(self) -> int:
         """Bytes the rest of the response should need (a guess: the region asked for)."""
-        count = self.count
-        mean = self.nbytes / count if count else self._mean
+        mean = self.mean
         if not self._expect or not mean:
             return _FIRST
-        return int(max(self._expect - count, 0) * mean * 17 / 16) + HEADER.size
+        return int(max(self._expect - self.count, 0) * mean * 17 / 16) + HEADER.size
 
     def _least(self) -> int:
         """The room worth reading a record into, at its start: a mean record (at least
         _MIN_ROOM), unless the rest of the response should need less. With less, the
         next record starts in a new region rather than moving there half read."""
-        count = self.count
-        mean = self.nbytes / count if count else self._mean
-        return min(max(int(mean), _MIN_ROOM), self._rest())
+        return min(max(int(self.mean), _MIN_ROOM), self._rest())
 
     def _move(self) -> None:
         """To a new region with room for the record at ``_lo``, its bytes read so far copied over."""
