@@ -108,18 +108,21 @@ def _ids(store_url: str) -> list[int]:
 
 
 # --- the server process ------------------------------------------------------------------------------
-def rss_mb(pids: list[int], field: str = "VmRSS") -> float:
-    """The sum over ``pids`` of one memory line of ``/proc/PID/status`` in MB:
-    ``VmRSS`` (all resident pages), ``RssAnon`` (the heap's: a served SQLite
-    file's mapped pages are ``RssFile``, the page cache's)."""
-    total = 0.0
+def rss_mb(pids: list[int]) -> tuple[float, float]:
+    """The sums over ``pids`` of ``VmRSS`` (all resident pages) and ``RssAnon``
+    (the heap's: a served SQLite file's mapped pages are ``RssFile``, the page
+    cache's) from one read of each ``/proc/PID/status``, in MB."""
+    rss = anon = 0.0
     for p in pids:
         try:
             with open(f"/proc/{p}/status") as fh:
-                total += next(int(line.split()[1]) for line in fh if line.startswith(f"{field}:")) / 1024
-        except (OSError, StopIteration):
+                kb = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in fh)
+                      if k in ("VmRSS", "RssAnon")}
+        except OSError:
             continue
-    return total
+        rss += kb.get("VmRSS", 0) / 1024
+        anon += kb.get("RssAnon", 0) / 1024
+    return rss, anon
 
 
 # --- the load generator ----------------------------------------------------------------------------------
@@ -264,7 +267,7 @@ def run_once(args: argparse.Namespace, store_url: str, ids: list[int], workers: 
         cpu0, t0 = process_cpu_s(server.pid), time.perf_counter()
         time.sleep(max(0.0, start + args.warmup + args.seconds - time.time()))
         cpu, elapsed = process_cpu_s(server.pid) - cpu0, time.perf_counter() - t0
-        rss, anon = rss_mb(pids), rss_mb(pids, "RssAnon")
+        rss, anon = rss_mb(pids)
         results = [out.get(timeout=120) for _ in procs]
         for p in procs:
             p.join(30)
