@@ -79,17 +79,33 @@ def _prepared(messages) -> list[str]:
     return [m.query for m in messages if isinstance(m, PrepareMessage)]
 
 
-def test_before_the_first_read_no_keyspace_listing_and_only_the_read_path_prepared(dataset):
-    url, name, data = dataset
+def _read_first(url: str, name: str, data: dict, *, fetching=contextlib.nullcontext) -> object:
+    """Open the store at ``url``, fetch the first 8 ids of ``name``'s split and check them (each
+    id once, byte-exact); ``fetching()`` is entered around the fetch alone, what it yields returned."""
 
     async def go():
-        async with await open_store(_url(url), create=False) as store:
+        async with await open_store(url, create=False) as store:
             ids = (await store.read_split(name, ALL_SPLIT)).ids[:8]
-            return [r async for r in store.fetch(name, ids)]
+            with fetching() as seen:
+                return [r async for r in store.fetch(name, ids)], seen
 
-    with sent_messages() as sent:
-        got = run(go())
+    got, seen = run(go())
     assert sorted(s.id for s in got) == list(range(8)) and all(s.data == data[s.id] for s in got)
+    return seen
+
+
+@contextlib.contextmanager
+def _proxied(url: str, delay: float):
+    """``url`` (no options) through a latency proxy adding ``delay`` seconds each way."""
+    host, _, port = url.split("//", 1)[1].split("/", 1)[0].rpartition(":")
+    with ProxyThread((host, int(port)), LinkOptions(delay=delay)) as proxy:
+        yield f"cassandra://{proxy.address[0]}:{proxy.address[1]}/{url.rsplit('/', 1)[1]}"
+
+
+def test_before_the_first_read_no_keyspace_listing_and_only_the_read_path_prepared(dataset):
+    url, name, data = dataset
+    with sent_messages() as sent:
+        _read_first(_url(url), name, data)
     first_read = next(i for i, m in enumerate(sent) if _is_sample_read(m))
     setup = sent[:first_read]
     queries = [getattr(m, "query", "") for m in setup]
@@ -138,9 +154,7 @@ def test_a_store_closed_while_its_pool_grows_leaves_no_thread(dataset):
     connection it was opening when the pool shut down to the closed pool, open for good,
     which kept its IO thread alive. Closed at once here, with the growth still opening."""
     url, name, _ = dataset
-    host, _, port = url.split("//", 1)[1].split("/", 1)[0].rpartition(":")
-    with ProxyThread((host, int(port)), LinkOptions(delay=0.05)) as proxy:
-        target = f"cassandra://{proxy.address[0]}:{proxy.address[1]}/{url.rsplit('/', 1)[1]}"
+    with _proxied(url, 0.05) as target:
         before = _baseline()
 
         async def go():
@@ -261,15 +275,8 @@ def test_a_named_protocol_version_sets_up_connections_in_the_fewest_exchanges(da
     trip per connection), no ``system.peers_v2`` (Cassandra 4+ only: a failed round trip on
     1.2), and the control connection's REGISTER goes out with its peers and local queries."""
     url, name, data = dataset
-
-    async def go():
-        async with await open_store(_url(url), create=False) as store:
-            ids = (await store.read_split(name, ALL_SPLIT)).ids[:8]
-            return [r async for r in store.fetch(name, ids)]
-
     with exchanges() as groups:
-        got = run(go())
-    assert sorted(s.id for s in got) == list(range(8)) and all(s.data == data[s.id] for s in got)
+        _read_first(_url(url), name, data)
     control = next(g for g in groups.values() if any(m == "Register" for grp in g for m in grp))
     assert control[:2] == [["Startup"], ["Register", "Query system.peers", "Query system.local"]], control
     for conn in groups.values():
@@ -278,22 +285,29 @@ def test_a_named_protocol_version_sets_up_connections_in_the_fewest_exchanges(da
 
 
 @contextlib.contextmanager
-def sent_in_order():
-    """``(connection id, message kind)`` of every message the driver sends while inside, in order."""
+def sent_in_order(*, answers: bool = False):
+    """``(connection id, message kind)`` of every message the driver sends while inside, in order;
+    with ``answers``, ``(connection id, "answer")`` too for every message it receives."""
     from cassandra.connection import Connection
 
     sent: list[tuple[int, str]] = []
-    original = Connection.send_msg
+    send, process = Connection.send_msg, Connection.process_msg
 
     def send_msg(self, msg, *args, **kwargs):
         sent.append((id(self), "Read" if _is_sample_read(msg) else type(msg).__name__.removesuffix("Message")))
-        return original(self, msg, *args, **kwargs)
+        return send(self, msg, *args, **kwargs)
+
+    def process_msg(self, *args, **kwargs):
+        sent.append((id(self), "answer"))
+        return process(self, *args, **kwargs)
 
     Connection.send_msg = send_msg
+    if answers:
+        Connection.process_msg = process_msg
     try:
         yield sent
     finally:
-        Connection.send_msg = original
+        Connection.send_msg, Connection.process_msg = send, process
 
 
 @pytest.mark.skipif(not V1, reason="pools of several connections are protocol v1/v2 only")
@@ -303,18 +317,8 @@ def test_the_pool_opens_beside_the_control_connection(dataset):
     version named, the whole pool is opened beside it: every pool connection's STARTUP goes
     out before the control connection's REGISTER, and the first reads find the pool whole."""
     url, name, data = dataset
-    host, _, port = url.split("//", 1)[1].split("/", 1)[0].rpartition(":")
-    with ProxyThread((host, int(port)), LinkOptions(delay=0.05)) as proxy:
-        target = f"cassandra://{proxy.address[0]}:{proxy.address[1]}/{url.rsplit('/', 1)[1]}"
-
-        async def go():
-            async with await open_store(_url(target, concurrency=256), create=False) as store:
-                ids = (await store.read_split(name, ALL_SPLIT)).ids[:8]
-                return [r async for r in store.fetch(name, ids)]
-
-        with sent_in_order() as sent:
-            got = run(go())
-    assert sorted(s.id for s in got) == list(range(8)) and all(s.data == data[s.id] for s in got)
+    with _proxied(url, 0.05) as target, sent_in_order() as sent:
+        _read_first(_url(target, concurrency=256), name, data)
     control = next(c for c, kind in sent if kind == "Register")
     register = sent.index((control, "Register"))
     first_read = next(i for i, (_, kind) in enumerate(sent) if kind == "Read")
@@ -329,37 +333,9 @@ def test_the_read_path_is_prepared_before_the_control_connection_is_done(dataset
     the control connection's set-up. With the version named, the first pool connection
     prepares them as soon as it is ready, while the control connection still waits for its
     peers and local rows; what comes back is used as ``Session.prepare`` would."""
-    from cassandra.connection import Connection
-
     url, name, data = dataset
-    host, _, port = url.split("//", 1)[1].split("/", 1)[0].rpartition(":")
-    events: list[tuple[int, str]] = []
-    send, process = Connection.send_msg, Connection.process_msg
-
-    def send_msg(self, msg, *args, **kwargs):
-        events.append((id(self), "Read" if _is_sample_read(msg) else type(msg).__name__.removesuffix("Message")))
-        return send(self, msg, *args, **kwargs)
-
-    def process_msg(self, *args, **kwargs):
-        events.append((id(self), "answer"))
-        return process(self, *args, **kwargs)
-
-    with ProxyThread((host, int(port)), LinkOptions(delay=0.1)) as proxy:
-        target = f"cassandra://{proxy.address[0]}:{proxy.address[1]}/{url.rsplit('/', 1)[1]}"
-
-        async def go():
-            async with await open_store(_url(target), create=False) as store:
-                ids = (await store.read_split(name, ALL_SPLIT)).ids[:8]
-                with sent_messages() as later:
-                    got = [r async for r in store.fetch(name, ids)]
-                return got, later
-
-        Connection.send_msg, Connection.process_msg = send_msg, process_msg
-        try:
-            got, later = run(go())
-        finally:
-            Connection.send_msg, Connection.process_msg = send, process
-    assert sorted(s.id for s in got) == list(range(8)) and all(s.data == data[s.id] for s in got)
+    with _proxied(url, 0.1) as target, sent_in_order(answers=True) as events:
+        later = _read_first(_url(target), name, data, fetching=sent_messages)
     assert not _prepared(later)  # the statements prepared early are the ones used
     control = next(c for c, kind in events if kind == "Register")
     register = events.index((control, "Register"))
