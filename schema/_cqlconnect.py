@@ -424,7 +424,11 @@ class _Warm:
     def waiting(self) -> set:
         """The connections opened and not yet taken."""
         with self._lock:
-            return {s["conn"] for q in self._slots.values() for s in q if s["conn"] is not None}
+            return self._untaken()
+
+    def _untaken(self) -> set:
+        """(Under ``_lock``.) The connections opened and not yet taken."""
+        return {s["conn"] for q in self._slots.values() for s in q if s["conn"] is not None}
 
     def take(self, endpoint, timeout: float):
         """A connection opened for ``endpoint``, ready (STARTUP answered); None if none is left or it failed."""
@@ -449,7 +453,7 @@ class _Warm:
         for thread in self._threads:
             thread.join(timeout)
         with self._lock:
-            left = [s["conn"] for q in self._slots.values() for s in q if s["conn"] is not None]
+            left = self._untaken()
             self._slots.clear()
         for conn in left:
             conn.close()
