@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from dataferry.schema._table import format_table
 
 __all__ = ["Measurement", "measure_loader", "prepared_store", "table", "cpu_seconds", "announced", "data_server",
-           "all_ids", "store_samples", "live_descendants"]
+           "all_ids", "store_samples", "live_descendants", "stat_fields"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +80,16 @@ def _live_descendants() -> dict[int, float]:
     return {pid: cpu[pid] for pid in _descendants(os.getpid(), children)}
 
 
+def stat_fields(path: str) -> list[str] | None:
+    """The fields of a ``/proc/.../stat`` file after the command name (the state,
+    field 3, first; utime and stime at [11] and [12]), or None if it is gone."""
+    try:
+        with open(path) as fh:
+            return fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def _proc_table() -> tuple[dict[int, list[int]], dict[int, float]]:
     """From ``/proc``: parent pid -> its children, and pid -> CPU seconds of the
     process and of the children it has reaped (utime + stime + cutime + cstime)."""
@@ -91,10 +101,8 @@ def _proc_table() -> tuple[dict[int, list[int]], dict[int, float]]:
     except OSError:
         return {}, {}
     for name in names:
-        try:
-            with open(f"/proc/{name}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
+        fields = stat_fields(f"/proc/{name}/stat")
+        if fields is None:  # gone meanwhile
             continue
         # fields[0] is the state (field 3): ppid is field 4, utime..cstime fields 14-17
         children.setdefault(int(fields[1]), []).append(int(name))

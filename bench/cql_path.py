@@ -52,7 +52,7 @@ import subprocess
 import sys
 import time
 
-from ._common import prepared_store, table
+from ._common import prepared_store, stat_fields, table
 
 DATASET = "bench"
 
@@ -85,10 +85,8 @@ def _thread_cpu() -> dict[str, float]:
     names = {t.native_id: t.name for t in threading.enumerate()}
     tick, out = os.sysconf("SC_CLK_TCK"), {}
     for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+        fields = stat_fields(f"/proc/self/task/{tid}/stat")
+        if fields is None:  # the thread ended meanwhile
             continue
         name = names.get(int(tid), "other")
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
