@@ -135,10 +135,12 @@ def test_lab_carries_traffic_at_the_tbf_rate_and_tears_down(prefix, tmp_path):
 
 @needs_root
 def test_lab_tears_down_after_a_failing_client(prefix):
-    done = sh(NETEM / "lab.sh", "--prefix", prefix, "--server", "sleep 300", "--", "false")
+    # the server is a sleep named after this lab (exec -a), so no other sleep on the machine matches
+    server = f"{prefix}-server"
+    done = sh(NETEM / "lab.sh", "--prefix", prefix, "--server", f"exec -a {server} sleep 300", "--", "false")
     assert done.returncode == 1
     assert not {f"{prefix}-srv", f"{prefix}-cli"} & namespaces()
-    assert not sh("pgrep", "-fx", "sleep 300").stdout
+    assert not sh("pgrep", "-fx", f"{server} 300").stdout
 
 
 @needs_root
