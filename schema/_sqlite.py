@@ -130,9 +130,9 @@ class SqliteStore:
             conn.execute("PRAGMA synchronous=NORMAL")
             if reader:
                 conn.execute(f"PRAGMA cache_size=-{_READER_CACHE_KIB}")
-                # mapped: pages read in place from the OS page cache, no read() copy into SQLite's cache;
-                # unset is 0 (none) here, also where SQLite's build maps files by default
-                conn.execute(f"PRAGMA mmap_size={int(self._opts.mmap_size or 0)}")
+            # mapped (readers only): pages read in place from the OS page cache, no read() copy into
+            # SQLite's cache; unset is 0 (none), also where SQLite's build maps files by default
+            conn.execute(f"PRAGMA mmap_size={int(self._opts.mmap_size or 0) if reader else 0}")
             self._local.conn = conn
             with self._conns_lock:
                 self._conns.append(conn)

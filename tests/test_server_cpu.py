@@ -97,7 +97,7 @@ def test_mmap_size_zero_in_the_url_turns_the_mapping_off(tmp_path, server):
 
 #: run in a fresh interpreter: SQLite set to map every file by default (a build with
 #: SQLITE_DEFAULT_MMAP_SIZE > 0), before its first connection; then the store at argv[1]
-#: opened directly and with argv[2] (``?mmap_size=0``) maps nothing
+#: opened directly and with argv[2] (``?mmap_size=0``) maps nothing, nor does a writer
 _MAPS_BY_DEFAULT = """
 import asyncio, ctypes, os, sqlite3, sys, _sqlite3
 lib = ctypes.CDLL(_sqlite3.__file__)  # its libsqlite3, whichever that is
@@ -117,20 +117,27 @@ async def read(url):
     async with await open_store(url, create=False) as store:
         assert len([r async for r in store.fetch("d", [int(i) for i in sys.argv[4:]])]) == len(sys.argv) - 4
         return mapped()
-print("mapped:", asyncio.run(read(sys.argv[1])), asyncio.run(read(sys.argv[2])))
+async def write(url):  # the writer's connection too (ingest): the schema read at open, then a write
+    import numpy as np
+    from dataferry.schema import IdList
+    async with await open_store(url) as store:
+        await store.put_split("d", "extra", IdList(np.arange(3), np.zeros(3, dtype=np.int64)))
+        return mapped()
+print("mapped:", asyncio.run(read(sys.argv[1])), asyncio.run(read(sys.argv[2])), asyncio.run(write(sys.argv[1])))
 """
 
 
 def test_an_unset_or_zero_mmap_size_maps_nothing_where_sqlite_maps_by_default(tmp_path):
     """``mmap_size`` unset on a direct open, or 0, is no mapping even where
-    SQLite's build maps files by default, not "SQLite's default"."""
+    SQLite's build maps files by default, not "SQLite's default"; nor is
+    the writer's connection (an ingest) mapped."""
     path = tmp_path / "s.db"
     samples = make_samples(6, size=5000)
     url = seed_url(f"sqlite://{path}", "d", samples)
     out = subprocess.run([sys.executable, "-c", _MAPS_BY_DEFAULT, url, f"{url}?mmap_size=0", str(path),
                           *(str(x.id) for x in samples)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["mapped:", "False", "False"], out.stdout
+    assert out.stdout.split() == ["mapped:", "False", "False", "False"], out.stdout
 
 
 def test_a_negative_mmap_size_is_refused_naming_it():
