@@ -267,7 +267,8 @@ class Link:
     #: a probe ends after this many answers of requests sent with at most MIN_WINDOW in flight
     PROBE_SAMPLES = 2
     #: the largest request the tuner makes, in bytes; over a long round trip, what one TCP
-    #: connection carries in one (Linux's default tcp_rmem ceiling, 6 MiB: deploy/TRAINING.md)
+    #: connection carries in one (Linux's default tcp_rmem ceiling, 6 MiB: deploy/TRAINING.md),
+    #: unless the source says otherwise (its ``max_request_bytes``: :meth:`start`)
     REQUEST_BYTES, WAN_REQUEST_BYTES = 16 << 20, 6 << 20
     #: the smallest tuned window, and the smallest start (and the fewest requests a link-bound
     #: window is cut into)
@@ -307,17 +308,22 @@ class Link:
         self.busy: float | None = None  # the share of the last round trip the engine's thread was on CPU
         self.sizer: _RequestSizer | None = None
         self.concurrency: int | None = None  # requests the source carries at once, hedges set aside
+        #: the most bytes a request carries over a long round trip (None: no limit of the source's own)
+        self.wan_request_bytes: int | None = self.WAN_REQUEST_BYTES
         self.started = False
         self._logged: dict[str, float] = {}
 
     def start(self, batch_size: int, preferred: int | None, concurrency: int | None = None,
-              hedge_share: float = 0.0) -> None:
+              hedge_share: float = 0.0, *, wan_request_bytes: int | None = WAN_REQUEST_BYTES) -> None:
         """The first run: choose the request size and the first window. ``concurrency``: the
-        requests the source carries at once (``max_concurrency``, e.g. an HTTP pool's connections)."""
+        requests the source carries at once (``max_concurrency``, e.g. an HTTP pool's connections);
+        ``wan_request_bytes``: the most one request carries over a long round trip (the source's
+        ``max_request_bytes``; None: no limit of its own, as ``MemorySource``)."""
         if self.started:
             return
         self.started = True
         p = self.prefetch
+        self.wan_request_bytes = wan_request_bytes
         if concurrency:
             self.concurrency = max(1, int(concurrency / (1.0 + hedge_share)))
         preferred = preferred or 32
@@ -341,10 +347,13 @@ class Link:
 
     def _size_cap(self) -> int:
         """The most ids per request the tuner may choose: 16 requests fit in ``max_bytes``, one
-        is at most ``REQUEST_BYTES`` (a retry, a hedge, a timeout stay small), or ``WAN_REQUEST_BYTES``
-        over a round trip of ``LINK_RTT_S`` or more; 1024."""
+        is at most ``REQUEST_BYTES`` (a retry, a hedge, a timeout stay small), and at most the
+        source's ``max_request_bytes`` (``WAN_REQUEST_BYTES`` unless it says) over a round trip of
+        ``LINK_RTT_S`` or more; 1024."""
+        most = min(self.prefetch.max_bytes / 16, self.REQUEST_BYTES)
         wan = self.min_first is not None and self.min_first >= self.LINK_RTT_S
-        most = min(self.prefetch.max_bytes / 16, self.WAN_REQUEST_BYTES if wan else self.REQUEST_BYTES)
+        if wan and self.wan_request_bytes is not None:
+            most = min(most, self.wan_request_bytes)
         return max(1, min(1024, int(most / self.mean_bytes)))
 
     def _cap(self) -> float:
@@ -781,7 +790,8 @@ class Run:
         self.ahead: _Epoch | None = None
         self.link = link if link is not None else Link(prefetch, hedge)
         self.link.start(batch_size, getattr(source, "preferred_request_size", None),
-                        getattr(source, "max_concurrency", None), hedge.max_fraction if hedge.enabled else 0.0)
+                        getattr(source, "max_concurrency", None), hedge.max_fraction if hedge.enabled else 0.0,
+                        wan_request_bytes=getattr(source, "max_request_bytes", Link.WAN_REQUEST_BYTES))
         self._seq = itertools.count()
         self._active: set[_Req] = set()
         self._finished: list[_Req] = []  # requests whose task ended, not yet handled

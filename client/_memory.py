@@ -32,6 +32,11 @@ class MemorySource:
     """
 
     preferred_request_size = 32
+    #: the most bytes one request should carry over a long round trip (the engine's
+    #: ``Link``): a source says it when it has a limit of its own per request (without the
+    #: attribute: 6 MiB, what one TCP connection carries in a round trip). None: no such limit
+    #: (no connection here), so the tuner may grow requests to its own 16 MiB
+    max_request_bytes: int | None = None
 
     def __init__(
         self, dataset: str, samples: Iterable[Sample], *, latency: float = 0.0, rate: float | None = None,
