@@ -2,7 +2,7 @@
 
     python -m dataferry.bench.load_server [--workers 1,2] [--repeats 3] [--seconds 10] [--images 2000]
                                           [--clients 1] [--connections 8] [--depth 2] [--request-size 64]
-                                          [--data synthetic|random] [--discard kernel|copy]
+                                          [--data synthetic|random]
 
 For each ``--workers`` value, ``--repeats`` times: start ``dataferry serve
 --workers N`` (``python -m dataferry.server``, uvloop) on a SQLite store of
@@ -11,13 +11,9 @@ cached in the temp folder; or ``--data random``: random bytes of the same
 sizes, instant), and load it from ``--clients`` client processes. Each client
 is the cheapest one we can write: raw blocking sockets, ``--connections`` of
 them, each with ``--depth`` pipelined batch requests of ``--request-size``
-random ids. Only the status lines and the chunked framing are read into user
-space, to find where each response ends; a chunk's body is discarded by the
-kernel (``recv`` with ``MSG_TRUNC``, which on TCP drops the bytes without
-copying them out), so the load generator costs the server's cores little
-(``--discard copy``: read the bodies into one reused buffer instead, as any
-real client must; that costs about the kernel's copy, 18-20 us per 110 KB
-here). Every response must be 200; a non-200 is an error.
+random ids, bodies read into one reused buffer and discarded (only the chunked
+framing is parsed, to find where each response ends). Every response must be
+200 with an END record's worth of bytes; a non-200 is an error.
 
 Printed per run, and the median per worker count: samples/s, MB/s, the
 server's CPU per sample (user + system of the parent and every worker, from
@@ -158,16 +154,6 @@ class _Conn:
         self.bytes = 0
         self.first_error = ""
 
-    def drop(self, buf: bytearray) -> int:
-        """Let the kernel discard up to ``len(buf)`` bytes of the body being
-        skipped (``MSG_TRUNC``: nothing is copied); the responses completed."""
-        n = self.sock.recv_into(buf, min(self.skip, len(buf)), socket.MSG_TRUNC)
-        if n == 0:
-            return -1
-        self.bytes += n
-        self.skip -= n
-        return int(self.skip == 0 and self.state == self.HEAD)
-
     def feed(self, buf: bytearray, n: int) -> int:
         """Parse ``buf[:n]``; the number of responses it completed."""
         completed = 0
@@ -219,12 +205,8 @@ class _Conn:
         return completed
 
 
-#: A body left to skip at least this long is dropped in the kernel with ``--discard kernel``.
-_DROP_MIN = 4096
-
-
 def _client(host: str, port: int, ids: list[int], size: int, connections: int, depth: int, start: float,
-            warmup: float, seconds: float, seed: int, discard: str, out) -> None:
+            warmup: float, seconds: float, seed: int, out) -> None:
     reqs = _requests(host, ids, size, 512, seed)
     rng = random.Random(seed)
     sel = selectors.DefaultSelector()
@@ -236,7 +218,6 @@ def _client(host: str, port: int, ids: list[int], size: int, connections: int, d
         conns.append(c)
         sel.register(s, selectors.EVENT_READ, c)
     buf = bytearray(1 << 20)
-    drop = discard == "kernel"
     time.sleep(max(0.0, start - time.time()))
     for c in conns:
         c.sock.sendall(b"".join(rng.choice(reqs) for _ in range(depth)))
@@ -252,13 +233,10 @@ def _client(host: str, port: int, ids: list[int], size: int, connections: int, d
             break
         for key, _ in sel.select(timeout=0.05):
             c = key.data
-            if drop and c.skip >= _DROP_MIN:
-                k = c.drop(buf)
-            else:
-                n = c.sock.recv_into(buf)
-                k = c.feed(buf, n) if n else -1
-            if k < 0:
+            n = c.sock.recv_into(buf)
+            if n == 0:
                 raise SystemExit("the server closed a connection")
+            k = c.feed(buf, n)
             if k:
                 c.done += k
                 c.sock.sendall(b"".join(rng.choice(reqs) for _ in range(k)))
@@ -281,8 +259,7 @@ def run_once(args: argparse.Namespace, store_url: str, ids: list[int], workers: 
         pids = process_tree(server.pid)
         start = time.time() + 1.0  # the clients import and connect meanwhile
         procs = [ctx.Process(target=_client, args=(host, port, ids, args.request_size, args.connections, args.depth,
-                                                   start, args.warmup, args.seconds, seed * 100 + k, args.discard,
-                                                   out))
+                                                   start, args.warmup, args.seconds, seed * 100 + k, out))
                  for k in range(args.clients)]
         for p in procs:
             p.start()
@@ -310,8 +287,7 @@ def run(args: argparse.Namespace) -> int:
     counts = [None] if args.workers == "default" else [int(w) for w in args.workers.split(",")]
     print(f"load: {args.clients} client process(es) x {args.connections} connections x {args.depth} pipelined "
           f"requests of {args.request_size} ids, {args.warmup:g} s warm-up + {args.seconds:g} s, {args.images} "
-          f"{args.data} samples, bodies discarded by {'the kernel' if args.discard == 'kernel' else 'copying'}, "
-          f"{os.cpu_count()} cores shared by the server and the clients")
+          f"{args.data} samples, {os.cpu_count()} cores shared by the server and the clients")
     failed = False
     medians = {}
     for workers in counts:
@@ -358,9 +334,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-size", type=int, default=64, help="ids per request")
     p.add_argument("--data", choices=("synthetic", "random"), default="synthetic",
                    help="synthetic JPEGs (cached after the first run) or random bytes of JPEG-like sizes")
-    p.add_argument("--discard", choices=("kernel", "copy"), default="kernel",
-                   help="how the load generator throws bodies away: dropped in the kernel (MSG_TRUNC, no copy) or "
-                        "copied into a reused buffer as a real client would (default: %(default)s)")
     p.add_argument("--cache-dir", help="where the store file is kept (default: the temp folder)")
     args = p.parse_args(argv)
     if args.request_size > args.images:
