@@ -11,8 +11,9 @@ Data flow (everything runs on one event loop)::
   arrive, not when the request ends, so batches fill in completion order.
 * The window of requests in flight (:class:`Link`) is sized by the link:
   2 x the learned bandwidth-delay product (BBR-like), starting with the
-  first batch's worth and doubling per round trip; it halves on a failed
-  request, and is capped by ``Prefetch.max_inflight`` and by the byte budget
+  first batch's worth and growing 2.89x per round trip (BBR's start-up gain)
+  until the delivery rate levels off, then draining the queue the start-up
+  left at a bottleneck (BBR's drain); it halves on a failed request, and is capped by ``Prefetch.max_inflight`` and by the byte budget
   (bytes reserved for requests in flight + bytes ready and not yet taken by
   the consumer). The request size is tuned too (:class:`_RequestSizer`).
 * Exactly once: a position is completed at most once (:class:`DoneSet`);
@@ -248,8 +249,14 @@ class Link:
     ``request_size x mean_bytes``, within ``max_inflight`` (4096 unset) and
     ``max_bytes``. Where the link has no bottleneck yet, the delivery rate
     follows the window, so the target stays ahead of it and the window keeps
-    doubling per round trip; at the bottleneck the rate levels off and so does
-    the window. Not tuned, the target is ``max_inflight`` (64 unset).
+    growing by ``STARTUP_GAIN`` per round trip (``STARTUP_GAIN - 1`` requests
+    per answer) until the rate levels off, then by one per answer; at the
+    bottleneck the rate levels off and so does the window. The start-up
+    overshoots a bottleneck: the queue it leaves is drained (BBR's drain) when
+    requests shrink for a slow link (the window down to what the link holds,
+    the latency floor to a request alone) and, once the rate levels off, by a
+    probe if requests still take far longer than one alone. Not tuned, the
+    target is ``max_inflight`` (64 unset).
     """
 
     #: requests allowed to queue at the bottleneck (TCP Vegas' alpha and beta); not tuned
@@ -464,6 +471,16 @@ class Link:
             self._resize(size, f"the link carries {self.bandwidth / 1e6:,.1f} MB/s x {rtt * 1e3:.0f} ms "
                                f"and this thread was {self.busy:.0%} busy: {self.MIN_START} requests of {size} ids "
                                f"fit {self.GAIN:g} x that")
+            # BBR's drain: the bytes in flight now are mostly the start-up's queue at the bottleneck
+            # (the whole latency measured so far is that queue, not the link), so do not keep them:
+            # the window comes down to what the link holds, and the latency floor to what a
+            # request of this size takes alone (its round trip and its transfer)
+            alone = rtt + (size - 1) * self.mean_bytes / self.bandwidth
+            self._mins.clear()
+            self.min_latency = self._windowed_min(self._mins, alone)
+            holds = self.GAIN * self.bandwidth * alone / (size * self.mean_bytes)
+            self.window = min(self.window, max(float(self.MIN_START), holds))
+            self._log("drain", f"requests of {size} ids take {alone * 1e3:.0f} ms alone: window {self.window:.0f}")
 
     def _start_probe(self, why: str) -> None:
         """Hold ``MIN_WINDOW`` requests until a few answer: the round trip without our own queue
@@ -503,8 +520,9 @@ class Link:
         the link's round trip; over a slow link a large request's latency is
         mostly that).
 
-        It grows by one per answer (doubling per round trip) up to
-        :meth:`target` until answers start to queue: ``window * (1 -
+        It grows by ``STARTUP_GAIN - 1`` per answer (``STARTUP_GAIN`` x per round
+        trip) until the pipe is full, then by one, up to :meth:`target` until
+        answers start to queue: ``window * (1 -
         min_latency / latency)`` estimates how many requests wait at the
         bottleneck (the server, or the link); above ``QUEUE_HIGH`` the window
         shrinks, between the two it holds. Extra requests there would add only
@@ -548,7 +566,10 @@ class Link:
             self.window = max(target, self.window - 1.0)
             self._note("above", lambda: f"window down to {self.window:.0f}, towards {self._why(target)}")
         elif queued < low and self.window < target:
-            self.window = min(target, self.window + 1.0)
+            # tuned, until the pipe is full: STARTUP_GAIN - 1 more per answer, so the window grows
+            # by the start-up gain per round trip, as fast as the target may (BBR's startup)
+            step = self.STARTUP_GAIN - 1.0 if self.tuned and not self.filled else 1.0
+            self.window = min(target, self.window + step)
             self._note("growing", lambda: f"window up to {self.window:.0f}, towards {self._why(target)}")
 
     def _windowed_min(self, mins: deque[tuple[float, float]], latency: float, probe: bool = False) -> float:

@@ -52,8 +52,9 @@ class Prefetch:
     * the window: requests in flight cover ``2 x`` the bandwidth-delay
       product, learned as BBR does (the highest delivery rate of recent round
       trips x the lowest recent request latency). It starts with enough
-      requests to fill the first batch in one round trip, grows by one per
-      answer (doubling per round trip) while the delivery rate keeps up, and
+      requests to fill the first batch in one round trip, grows 2.89x per
+      round trip (BBR's start-up gain) while the delivery rate keeps up, then
+      drains the queue that left at a bottleneck (BBR's drain), and
       shrinks when answers queue at the bottleneck (latency above the lowest
       by more than a few requests' worth, as TCP Vegas does; with
       ``adaptive``) or a request fails;

@@ -85,3 +85,85 @@ def test_a_source_that_says_nothing_keeps_the_long_round_trip_cap():
     size, sizes = tuned_size(src, n, 2)
     assert size == 32, (size, sizes)
     assert max(sizes) <= Link.WAN_REQUEST_BYTES // 100_000, sizes
+
+
+class Generations(MemorySource):
+    """Numbers each request by round trip: 0 sent before any answer, k + 1 sent after an answer
+    of round trip k (``counts``: requests per round trip); records the requests in flight as
+    each is sent (``sent``: (when, in flight))."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.counts: Counter[int] = Counter()
+        self.sent: list[tuple[float, int]] = []
+        self._answered = -1  # the latest round trip answered
+        self._inflight = 0
+
+    async def fetch(self, dataset, ids):
+        gen = self._answered + 1
+        self.counts[gen] += 1
+        self._inflight += 1
+        self.sent.append((time.monotonic(), self._inflight))
+        try:
+            async for r in super().fetch(dataset, ids):
+                yield r
+        finally:
+            self._inflight -= 1
+        self._answered = max(self._answered, gen)
+
+
+def samples(n: int, size: int):
+    return MemorySource.synthetic("d", n, size=size).samples.values()
+
+
+def test_the_start_up_window_grows_by_the_start_up_gain_per_round_trip():
+    # 100 ms and no bottleneck: the window starts at 8 requests (a batch of 64 in requests of 8)
+    # and grows by BBR's start-up gain (2.89) per round trip, not 2: 8, 23, 67, 193 requests
+    src = Generations("d", samples(6000, 1024), latency=0.1)
+    prefetch = Prefetch(request_size=8, max_bytes=64 << 20, sample_bytes_hint=1024)
+    with Loader(src, "d", batch_size=64, prefetch=prefetch, hedge=NO_HEDGE) as loader:
+        got = [i for batch in loader for i in batch.ids.tolist()]
+    assert Counter(got) == Counter(range(6000))
+    c = src.counts
+    assert c[0] == 8, c
+    assert c[3] >= 0.75 * Link.STARTUP_GAIN ** 3 * c[0], c  # 2 per round trip would be 64
+
+
+def test_after_the_start_up_a_bottlenecked_link_drains_to_its_bandwidth_delay_product():
+    # 100 ms at 4 MB/s, 20 kB samples: 200 samples/s, the bandwidth-delay product 20 samples.
+    # The start-up overshoots it (it grows until the delivery rate stops growing); then the queue
+    # it left at the bottleneck must drain (BBR's DRAIN): in flight back near the product, not a
+    # standing queue of seconds. The last 40% of requests are sent with no more in flight than
+    # the target (2 x the product) and the few requests Vegas' rule lets queue (QUEUE_HIGH)
+    n, size, rate, rtt = 1400, 20_000, 4e6, 0.1
+    src = Generations("d", samples(n, size), latency=rtt, rate=rate)
+    with Loader(src, "d", batch_size=64, hedge=NO_HEDGE) as loader:
+        got = [i for batch in loader for i in batch.ids.tolist()]
+        ids = loader._link.request_size
+    assert Counter(got) == Counter(range(n))
+    bdp = rate * rtt / size  # samples
+    late = [k for _, k in src.sent[len(src.sent) * 3 // 5:]]
+    assert sorted(late)[len(late) // 2] <= Link.GAIN * bdp / ids + Link.QUEUE_HIGH + 1, (ids, late, src.counts)
+
+
+def test_when_requests_shrink_for_a_slow_link_the_start_up_queue_is_not_kept():
+    # The slow link of bench.tune (200 ms, 100 Mbit/s, 110 kB samples) after its first round trips:
+    # the start-up sent 22 requests of 32 ids (6 s of data at 12.5 MB/s; a request's whole latency,
+    # 2.4 s, is mostly our own queue). The tuner then cuts requests to 8 ids. Keeping the bytes in
+    # flight (88 requests of 8) would keep that queue standing; the window must come down to what
+    # the link holds (2 x its bandwidth-delay product: 6 requests of 8), and the latency floor to
+    # what one request alone takes (the round trip and its transfer), not the queued 2.4 s scaled
+    link = Link(Prefetch(), Hedge(enabled=False))
+    link.start(256, 32)
+    bw, rtt, size = 12.2e6, 0.21, 110e3
+    link.mean_bytes = size
+    link.window = 22.0
+    link.bandwidth, link.busy = bw, 0.03
+    link.min_first = link._windowed_min(link._firsts, rtt)
+    link.min_latency = link._windowed_min(link._mins, 2.39)
+    link._fit_size()
+    assert link.request_size == 8
+    alone = rtt + 7 * size / bw
+    assert link.window <= max(Link.MIN_START, Link.GAIN * bw * alone / (8 * size)), link.window
+    assert abs(link.min_latency - alone) < 0.01, (link.min_latency, alone)
+    assert link.target() <= Link.STARTUP_GAIN * bw * alone / (8 * size)  # the pipe is not yet full
