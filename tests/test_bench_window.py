@@ -1,0 +1,21 @@
+"""bench/window.py (the window against latency) runs and its table adds up; no timing asserted."""
+
+from __future__ import annotations
+
+from dataferry.bench import window
+
+
+def test_the_window_bench_prints_both_ratios_and_the_ramp_share(capsys):
+    assert window.main(["--latencies", "0,20", "--images", "3000", "--size", "2000", "--seconds", "0.6",
+                        "--runs", "1", "--batch-size", "64"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("|")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [dict(zip(head, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
+    assert [r["latency"] for r in rows] == ["0 ms", "20 ms"], out
+    for r in rows:
+        rate, steady = float(r["samples/s"].replace(",", "")), float(r["steady/s"].replace(",", ""))
+        assert rate > 0 and steady > 0, r
+        assert abs(float(r["ramp"]) - max(0.0, 1 - rate / steady)) < 0.011, r
+    assert rows[0]["ratio"] == rows[0]["steady ratio"] == "1.00", rows[0]
+    assert "window over time" in out
