@@ -15,13 +15,19 @@ fresh buffer). So arenas are kept and reused.
 Every view of an arena, and every numpy array or memoryview made from one
 (however many hops away), keeps the bytearray referenced: so an arena is free
 exactly when only the pool refers to it (its reference count says so). The
-pool keeps the arenas it lent in a ring and looks at all of them each time it
-needs a new arena (once per arena, some dozens of samples, not per sample):
-the free ones are taken back, with whatever room of theirs was waiting for
+pool keeps the arenas it lent in a ring and, each time it needs a new arena
+(once per arena, some dozens of samples, not per sample), looks at them oldest
+first up to the first free one: arenas come free about in the order they were
+lent, as batches are handed out, so that is usually the first one looked at.
+A free arena is taken back with whatever room of its own was waiting for
 another response (else an arena whose samples are gone but whose last 100 KB
-no response could use stayed out of reach, and a new one was made). Looking at only a few let free arenas sit
-unseen while fresh ones were made, each a page fault per 4 KiB (measured:
-fresh arenas were 12% of the client's CPU on loopback). The price of arenas:
+no response could use stayed out of reach, and a new one was made). An arena
+is made only when none in the ring is free: looking at only a few let free
+arenas sit unseen while fresh ones were made, each a page fault per 4 KiB
+(measured: fresh arenas were 12% of the client's CPU on loopback); looking at
+every lent arena each time was a walk of the whole ring per new arena, and of
+a growing one while a loader's arenas in use climb (``looked`` counts the
+arenas looked at: ``tests/test_http_receive.py``). The price of arenas:
 one sample kept by the consumer keeps its whole arena (at most ``arena``
 bytes, a few dozen samples' worth) from being reused; copy a sample you keep
 for long (``bytes(sample.data)``).
@@ -83,7 +89,7 @@ class BufferPool:
         self._free_bytes = 0
         self._lent: deque[bytearray] = deque()
         self._rooms: list[tuple[bytearray, int, int]] = []  # unwritten regions, the newest last
-        self.reused = self.made = 0
+        self.reused = self.made = self.looked = 0
 
     def take(self, n: int, least: int | None = None) -> tuple[bytearray, int, int]:
         """A region of ``n`` bytes (at most an arena's, unless ``least`` is more);
@@ -123,21 +129,27 @@ class BufferPool:
                 del self._rooms[0]
 
     def _arena(self, n: int) -> bytearray:
-        lent = self._lent
-        in_rooms: dict[int, int] = {}
-        for room in self._rooms:
-            in_rooms[id(room[0])] = in_rooms.get(id(room[0]), 0) + 1
-        for _ in range(len(lent)):  # every lent arena: this runs once per arena, not per sample
-            buf = lent.popleft()
-            rooms = in_rooms.get(id(buf), 0)
-            if sys.getrefcount(buf) == _ONLY_US_POPPED + rooms:  # nothing but the pool (and its rooms)
-                if rooms:  # free whole: its rooms go, it is reused from the start
-                    self._rooms = [r for r in self._rooms if r[0] is not buf]
-                self._keep(buf)
-            else:
-                lent.append(buf)
-        buf = None
         cap = size_class(max(n, self.arena))
+        lent = self._lent
+        for _ in range(len(lent)):  # oldest first, up to the first free one: arenas come free about in that order
+            buf = lent.popleft()
+            self.looked += 1
+            refs = sys.getrefcount(buf) - _ONLY_US_POPPED
+            if refs:  # in use, unless its only other references are rooms waiting in the pool
+                rooms = 0
+                for room in self._rooms:
+                    if room[0] is buf:
+                        rooms += 1
+                if refs != rooms:
+                    lent.append(buf)
+                    continue
+                self._rooms = [r for r in self._rooms if r[0] is not buf]  # free whole: reused from the start
+            if len(buf) == cap:
+                self.reused += 1
+                lent.append(buf)
+                return buf
+            self._keep(buf)  # free, another size: kept for a take of that size
+        buf = None
         free = self._free.get(cap)
         if free:
             buf = free.pop()

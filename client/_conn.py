@@ -109,6 +109,7 @@ class Connection(asyncio.BufferedProtocol):
         self._lo = self._hi = 0
         self._phase = _IDLE
         self._direct = False
+        self._view: memoryview | None = None  # the room such a read was given (until buffer_updated)
         self._waiter: asyncio.Future | None = None
         self.error: BaseException | None = None
         self.closed = False
@@ -124,6 +125,8 @@ class Connection(asyncio.BufferedProtocol):
         self._left = 0
         self._chunk = _C_SIZE
         self._paused = False
+        self.pauses = 0  # times its socket was paused (backpressure)
+        self._pause_due = False  # a check whether the consumer fell behind is scheduled
         self._pause_above = 1 << 62
         self._activity = 0.0
         self._timer: asyncio.TimerHandle | None = None
@@ -135,6 +138,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
+        self._view = None
         if self.on_lost is not None:
             self.on_lost(self)
         if self._phase == _BODY and self._mode == _TO_CLOSE and exc is None:
@@ -153,7 +157,12 @@ class Connection(asyncio.BufferedProtocol):
             if view is not None:
                 self._direct = True
                 left = self._left
-                return view if len(view) <= left else view[:left]
+                if len(view) <= left:
+                    return view
+                if self._mode == _CHUNKED:  # the CRLF and next size line after the data come in the same read
+                    self._view = view
+                    return view[: left + FRAMING_READ]
+                return view[:left]
         self._direct = False
         lo, hi = self._lo, self._hi
         if lo == hi:
@@ -172,10 +181,14 @@ class Connection(asyncio.BufferedProtocol):
         self.got_bytes = True
         try:
             if self._direct:
-                self._left -= nbytes
-                self._consumer.sunk(nbytes)
-                if not self._left:
-                    self._data_end()
+                left = self._left
+                if nbytes <= left:
+                    self._left = left - nbytes
+                    self._consumer.sunk(nbytes)
+                    if nbytes == left:
+                        self._data_end()
+                else:
+                    self._framing_read(nbytes - left)
             else:
                 self._hi += nbytes
                 self._parse()
@@ -184,10 +197,38 @@ class Connection(asyncio.BufferedProtocol):
             return
         consumer = self._consumer
         if consumer is not None and consumer.records:
-            if consumer.ready_bytes > self._pause_above and not self._paused and self._transport is not None:
-                self._paused = True
-                self._transport.pause_reading()
             self._wake()
+            if consumer.ready_bytes > self._pause_above and not self._paused and not self._pause_due:
+                # judged once the loop's ready callbacks ran (the consumer woken just now among them), before
+                # the next read: a consumer that takes what one read brought is not behind, and pausing and
+                # resuming it was two epoll changes per read
+                self._pause_due = True
+                self._loop.call_soon(self._pause_if_behind)
+
+    def _framing_read(self, over: int) -> None:
+        """A direct read carried ``over`` bytes past the chunk's data: the chunk's
+        CRLF, the next size line and perhaps the next chunk's first bytes, which go
+        through the bounce buffer as if read there (a few dozen bytes copied)."""
+        left, view, self._view = self._left, self._view, None
+        lo, hi = self._lo, self._hi
+        if lo == hi:
+            self._lo = self._hi = lo = hi = 0
+        self._buf[hi : hi + over] = view[left : left + over]
+        self._hi = hi + over
+        self._left = 0
+        del view
+        self._consumer.sunk(left)
+        self._data_end()
+        self._parse()
+
+    def _pause_if_behind(self) -> None:
+        self._pause_due = False
+        consumer = self._consumer
+        if (consumer is not None and consumer.ready_bytes > self._pause_above and not self._paused
+                and not self.closed and self._transport is not None):
+            self._paused = True
+            self.pauses += 1
+            self._transport.pause_reading()
 
     # --- parsing what is in the bounce buffer ----------------------------------------------
     def _chunk_data_left(self) -> bool:
@@ -310,8 +351,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def _body_done(self) -> None:
         self.complete = True
-        self._phase = _IDLE
-        self._cancel_timer()
+        self._phase = _IDLE  # the timer stays: it stops when it finds the connection idle
         if self._lo < self._hi:
             self.keep_alive = False  # bytes nobody asked for
         self._wake()
@@ -327,7 +367,8 @@ class Connection(asyncio.BufferedProtocol):
         self._lo = self._hi = 0
         self._pause_above = pause_above
         self._activity = time.monotonic()
-        self._arm_timer()
+        if self._timer is None:
+            self._timer = self._loop.call_later(self._read_timeout, self._check_timeout)
         self._transport.write(data)
 
     def resume(self) -> None:
@@ -371,11 +412,9 @@ class Connection(asyncio.BufferedProtocol):
         if w is not None and not w.done():
             w.set_result(None)
 
-    # --- the read timeout: one timer per read_timeout, not one per read --------------------
-    def _arm_timer(self) -> None:
-        self._cancel_timer()
-        self._timer = self._loop.call_later(self._read_timeout, self._check_timeout)
-
+    # --- the read timeout: one timer per connection, firing every read_timeout while in use ---
+    # (not one per request, nor per read: send arms it when there is none; when it fires it
+    # compares the time since the last byte, re-arms for the rest, or stops on an idle connection)
     def _cancel_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
@@ -383,8 +422,8 @@ class Connection(asyncio.BufferedProtocol):
 
     def _check_timeout(self) -> None:
         self._timer = None
-        if self._phase == _IDLE:
-            return
+        if self._phase == _IDLE or self.closed:
+            return  # the next request arms it again
         idle = time.monotonic() - self._activity
         if self._paused or idle < self._read_timeout:
             self._timer = self._loop.call_later(self._read_timeout - (0 if self._paused else idle), self._check_timeout)
@@ -437,7 +476,7 @@ class Pool:
             reusable = conn.complete and conn.error is None and conn.keep_alive and not conn.closed
         finally:
             if conn is not None:
-                conn._consumer = conn._on_200 = None  # an idle connection keeps no decoder (nor its arena)
+                conn._consumer = conn._on_200 = conn._view = None  # an idle connection keeps no decoder (nor its arena)
                 conn._phase = _IDLE
                 if reusable:
                     conn.last_used = time.monotonic()

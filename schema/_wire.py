@@ -142,6 +142,28 @@ def encode_end(count: int) -> bytes:
     return HEADER.pack(MAGIC, VERSION, END, 0, count, 0, 0, 0)
 
 
+#: a decoded Sample made without the frozen dataclass's ``__init__`` (which sets each
+#: field through ``object.__setattr__``: 1.06 against 0.65 us a record on the dev
+#: machine), through its slots: the same object, fields in the same order
+_new = object.__new__
+_set_id, _set_label, _set_data, _set_target = (
+    Sample.id.__set__, Sample.label.__set__, Sample.data.__set__, Sample.target.__set__  # type: ignore[attr-defined]
+)
+
+
+def _sample(id_: int, label: int, data, target: bytes | None) -> Sample:
+    s = _new(Sample)
+    _set_id(s, id_)
+    _set_label(s, label)
+    _set_data(s, data)
+    _set_target(s, target)
+    return s
+
+
+if hasattr(Sample, "__post_init__"):  # a Sample that checks itself is made the usual way
+    _sample = Sample  # noqa: F811
+
+
 class _Reader(Protocol):
     async def readexactly(self, n: int) -> bytes: ...
 
@@ -289,7 +311,7 @@ class FrameDecoder:
                         target = None
                     else:
                         target = ro[at - tlen : at].tobytes()
-                    append(Sample(id_, label, ro[at:end] if dlen else b"", target))
+                    append(_sample(id_, label, ro[at:end] if dlen else b"", target))
                     ready += dlen
                     self.count += 1
                 elif kind == NOT_FOUND:
