@@ -42,6 +42,7 @@ from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequen
 from contextlib import aclosing
 
 from ._cqlconnect import grow_pool, on_new_connection, open_cluster, pool_capacity, shutdown, translate, where
+from ._cqlfast import Again, HotReads
 from ._errors import DatasetNotFound, SampleNotFound, SplitNotFound, StoreError, StoreUnavailable
 from ._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo, check_name
 from ._splits import DerivedSplit
@@ -94,6 +95,9 @@ _STATEMENTS = {
     ),
 }
 
+#: Statements read through the hot path (``_cqlfast.HotReads``): single-row reads of int and blob columns.
+_HOT = {"fetch": ("int", "blob", "blob")}  # name -> the CQL types of its result columns
+
 #: Prepared while the store opens, in parallel: what a Loader needs before its first batch
 #: (the split's id list, the samples), and what says whether the keyspace and tables exist.
 _EAGER = ("fetch", "split", "chunk", "dataset")
@@ -131,6 +135,14 @@ def _refused_unsent(exc: BaseException) -> bool:
     return bool(errors) and all(isinstance(e, ConnectionBusy) for e in errors.values())
 
 
+def _hot_reads(cluster, session, opts: CassandraOptions, loop, arrive) -> HotReads | None:
+    """The hot read path on ``session``; None if the driver is not the one it was written for."""
+    try:
+        return HotReads(session, cluster.profile_manager.default, opts.request_timeout, loop, arrive)
+    except (AttributeError, ImportError):
+        return None
+
+
 class CassandraStore:
     """The Cassandra/ScyllaDB store. Open with :func:`dataferry.schema.open_store`."""
 
@@ -159,6 +171,7 @@ class CassandraStore:
         self._pages: dict = {}  # ResponseFuture -> rows of the pages before its last (v2+ full scans)
         self._background: asyncio.Future | None = None
         self._closed = False
+        self._hot = _hot_reads(cluster, session, opts, self._loop, self._arrive)
 
     @classmethod
     async def open(cls, opts: CassandraOptions, *, url: str) -> CassandraStore:
@@ -239,10 +252,17 @@ class CassandraStore:
         return ps
 
     # --- plumbing: answers cross to the loop in bursts -------------------------------
-    def _issue(self, ps, params: tuple, sink, key) -> None:
-        """Send one request (the semaphore is held); ``sink(key, rows, exc)`` runs on the loop."""
+    def _issue(self, ps, params: tuple, sink, key, hot: str | None = None) -> None:
+        """Send one request (the semaphore is held); ``sink(key, rows, exc)`` runs on the loop.
+        ``hot``: the name of a statement the hot path may send (it hands back what it cannot: :meth:`_drain`)."""
         self._inflight += 1
         self._idle.clear()
+        if hot and self._hot is not None and self._hot.send(ps, _HOT[hot], params, (sink, key)):
+            return
+        self._send(ps, params, sink, key)
+
+    def _send(self, ps, params: tuple, sink, key) -> None:
+        """Send one request through the driver's ``execute_async`` (its retries, routing, timer)."""
         try:
             rf = self._session.execute_async(ps, params, timeout=self._opts.request_timeout)
         except Exception as exc:  # noqa: BLE001 - bind errors, or the session is shut down
@@ -280,7 +300,12 @@ class CassandraStore:
         self._draining = False
         arrivals, settle = self._arrivals, self._settle
         while arrivals:
-            settle(*arrivals.popleft())
+            item = arrivals.popleft()
+            again = item[3]
+            if type(again) is Again:  # the hot path's read goes again the driver's way, still in flight
+                self._send(again.ps, again.params, item[0], item[1])
+            else:
+                settle(*item)
 
     def _settle(self, sink, key, rows, exc) -> None:
         self._sem.release()
@@ -318,7 +343,7 @@ class CassandraStore:
         jobs, more, pending = iter(jobs), True, 0
         busy: deque = deque()  # jobs the driver refused unsent (its socket was full): sent again
         busy_since: float | None = None
-        limit, sem, issue = self._opts.concurrency, self._sem, self._issue
+        limit, sem, issue, hot = self._opts.concurrency, self._sem, self._issue, (name if name in _HOT else None)
         while True:
             while (busy or more) and pending < limit:
                 job = busy.popleft() if busy else next(jobs, None)
@@ -329,7 +354,7 @@ class CassandraStore:
                 if self._closed:  # closed while this waited: issue nothing more
                     sem.release()
                     raise StoreUnavailable(f"{self._named} is closed")
-                issue(ps, job[1], sink, job)
+                issue(ps, job[1], sink, job, hot)
                 pending += 1
             if not pending:
                 return
@@ -547,6 +572,8 @@ class CassandraStore:
             pass  # the server is slow or gone: shut down anyway
         finally:
             await asyncio.to_thread(shutdown, self._cluster)
+            if self._hot is not None:
+                self._hot.close()
 
     async def __aenter__(self) -> CassandraStore:
         return self

@@ -178,23 +178,27 @@ def test_in_flight_requests_stay_within_concurrency(cassandra_url, ds):
     async def go():
         async with await open_store(url) as store:
             await store.put_samples(ds, recs)
-            session, lock, now, peak = store._session, threading.Lock(), [0], [0]
-            real = session.execute_async
+            # counted where every request is sent (the hot path's and execute_async's): a pool connection
+            from cassandra.protocol import ExecuteMessage
 
-            def counting(*args, **kwargs):
+            conn_class, lock, now, peak = store._cluster.connection_class, threading.Lock(), [0], [0]
+            real = conn_class.send_msg
+
+            def counting(self, msg, request_id, cb, *args, **kwargs):
+                if self.is_control_connection or not isinstance(msg, ExecuteMessage):
+                    return real(self, msg, request_id, cb, *args, **kwargs)
                 with lock:
                     now[0] += 1
                     peak[0] = max(peak[0], now[0])
-                rf = real(*args, **kwargs)
 
-                def done(*_):
+                def done(*answer):
                     with lock:
                         now[0] -= 1
+                    return cb(*answer)
 
-                rf.add_callbacks(done, done)
-                return rf
+                return real(self, msg, request_id, done, *args, **kwargs)
 
-            session.execute_async = counting
+            conn_class.send_msg = counting
             got = await collect(store, ds, ids)
             # abandoning a fetch half-way releases its slots
             async for _ in store.fetch(ds, ids):

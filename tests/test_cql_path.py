@@ -213,7 +213,7 @@ def test_requests_the_driver_refuses_unsent_are_sent_again(dataset):
         async with await open_store(url, create=False) as store:
             real, refused, calls = store._issue, [], [0]
 
-            def issue(ps, params, sink, key):  # every third request refused unsent, as the driver does
+            def issue(ps, params, sink, key, *hot):  # every third request refused unsent, as the driver does
                 calls[0] += 1
                 if len(refused) < 40 and calls[0] % 3 == 0:
                     refused.append(key)
@@ -223,7 +223,7 @@ def test_requests_the_driver_refuses_unsent_are_sent_again(dataset):
                     store._idle.clear()
                     store._loop.call_soon(store._settle, sink, key, None, err)
                     return
-                real(ps, params, sink, key)
+                real(ps, params, sink, key, *hot)
 
             store._issue = issue
             await seed(store, name, samples)
