@@ -653,14 +653,6 @@ class _Req:
     extra: dict[int, tuple[int, ...]] | None = None
     count: int = 0  # positions it fills
 
-    def of(self, sid: int) -> tuple[int, ...] | None:
-        """The positions ``sid`` fills (None: not asked for)."""
-        pos = self.positions.get(sid)
-        if pos is None:
-            return None
-        extra = self.extra
-        return (pos,) if extra is None or sid not in extra else (pos, *extra[sid])
-
     def all_positions(self) -> Iterable[int]:
         """Every position this request fills."""
         if self.extra is None:
@@ -720,7 +712,13 @@ class _Epoch:
         """Position ``pos`` is done: ``sample`` (None: skipped) of ``nbytes``."""
         self.pending_bytes += nbytes
         if not self.in_order:
-            self._take(pos, sample)
+            if sample is None:
+                self.skipped.append(pos)
+                return
+            batch = self.batch
+            batch.append((pos, sample))
+            if len(batch) >= self.batch_size:
+                self._flush()
             return
         self.held[pos] = sample
         while True:
@@ -740,16 +738,18 @@ class _Epoch:
 
     def _flush(self) -> None:
         items, self.batch = self.batch, []
-        nbytes = sum(len(s.data) for _, s in items)
-        targets = [s.target for _, s in items]
+        positions, samples = zip(*items)
+        datas = [s.data for s in samples]
+        targets = [s.target for s in samples]
+        frombuffer, u8 = np.frombuffer, np.uint8
         self.outbox.append(Batch(
-            ids=np.fromiter((s.id for _, s in items), np.int64, len(items)),
-            labels=np.fromiter((s.label for _, s in items), np.int32, len(items)),
-            data=[np.frombuffer(s.data, np.uint8) for _, s in items],
+            ids=np.array([s.id for s in samples], np.int64),
+            labels=np.array([s.label for s in samples], np.int32),
+            data=[frombuffer(d, u8) for d in datas],
             targets=targets if any(t is not None for t in targets) else None,
             epoch=self.plan.epoch,
-            positions=np.fromiter((p for p, _ in items), np.int64, len(items)),
-            nbytes=nbytes,
+            positions=np.array(positions, np.int64),
+            nbytes=sum(map(len, datas)),
             skipped=tuple(self.skipped),
         ))
         self.skipped = []
@@ -1089,13 +1089,20 @@ class Run:
 
     # --- results -------------------------------------------------------------
     def _on_result(self, req: _Req, result) -> None:
-        positions = req.of(result.id)
-        if positions is None or result.id in req.answered:
-            return  # not asked for in this request; never trust it
-        if not req.answered:
+        # per sample: the hot path (attributes read once, no tuple for an id's one position)
+        sid = result.id
+        pos = req.positions.get(sid)
+        answered = req.answered
+        if pos is None or sid in answered:
+            return  # not asked for in this request, or answered already; never trust it
+        if not answered:
             req.first = self._loop.time()
-        req.answered.add(result.id)
-        take = min(req.reserved, req.per_sample * len(positions))
+        answered.add(sid)
+        extra = req.extra
+        positions = (pos,) if extra is None or sid not in extra else (pos, *extra[sid])
+        take = req.per_sample * len(positions)
+        if take > req.reserved:
+            take = req.reserved
         req.reserved -= take
         self._reserved -= take
         ep = req.epoch
@@ -1109,14 +1116,16 @@ class Run:
             return
         nbytes = len(result.data)
         self.c.received += nbytes
-        self.link.delivered += nbytes
-        self.link.mean_bytes += (nbytes - self.link.mean_bytes) * 0.05
+        link = self.link
+        link.delivered += nbytes
+        link.mean_bytes += (nbytes - link.mean_bytes) * 0.05
         first = True
         if ep.first_fail:
             for p in positions:
                 ep.first_fail.pop(p, None)
+        completed = ep.completed
         for p in positions:
-            if ep.completed.add(p):
+            if completed.add(p):
                 self._deliver(ep, p, result, nbytes if first else 0)
                 first = False
             else:
@@ -1237,5 +1246,8 @@ class Run:
 
     def _deliver(self, ep: _Epoch, pos: int, sample: Sample | None, nbytes: int) -> None:
         self.ready_bytes += nbytes
-        self.c.peak_bytes = max(self.c.peak_bytes, self._reserved + self.ready_bytes)
+        held = self._reserved + self.ready_bytes
+        c = self.c
+        if held > c.peak_bytes:
+            c.peak_bytes = held
         ep.deliver(pos, sample, nbytes)
