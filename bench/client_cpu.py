@@ -3,6 +3,7 @@
     python -m dataferry.bench.client_cpu [--images 1024] [--epochs 3] [--repeats 5]
                                          [--rtts 0] [--batch-size 256] [--data synthetic|random]
                                          [--pin] [--floor] [--no-memory] [--fetch-sizes 4,8,32,128]
+                                         [--loader-sizes 32,128]
 
 A real ``dataferry serve`` (its own process, :func:`~._common.data_server`)
 over a SQLite store of ``--images`` samples of about 110 KB (synthetic JPEGs,
@@ -31,6 +32,13 @@ sender's next segments transmitted and queued, in its own system time.
 tasks sending requests of each size, the loop thread's CPU (user + system,
 ``time.thread_time``) per sample, median of ``--repeats``; with two sizes or
 more, the CPU per request and per sample fitted to them (``a / n + b``).
+
+``--loader-sizes`` adds the Loader over HTTP with its request size fixed
+(``Prefetch(request_size=n)``, the tuner's choice taken away), measured as
+the HTTP row: against ``HttpSource.fetch`` alone at the same size it gives
+what the engine, its tasks and the consumer's thread add per sample; against
+the tuned row, what the tuner's request size costs. The HTTP rows also print
+the mean ids per request (requests sent over the measured span).
 
 ``--pin`` runs the server (and the floor's sender) on CPU 0 and this process
 on the others (``taskset`` / ``os.sched_setaffinity``), so the client's
@@ -65,6 +73,7 @@ class Run:
     wall_s: float
     user_s: float = 0.0
     sys_s: float = 0.0
+    requests: int = 0  # requests the engine sent over the same span (0: not counted)
 
     @property
     def us_per_sample(self) -> float:
@@ -88,24 +97,29 @@ def _usage() -> tuple[float, float]:
     return r.ru_utime, r.ru_stime
 
 
-def measure(source, dataset: str, epochs: int, batch_size: int, warmup: int = 1) -> Run:
+def measure(source, dataset: str, epochs: int, batch_size: int, warmup: int = 1, request_size: int | None = None
+            ) -> Run:
     """One Loader over ``source``: ``warmup`` epochs, then ``epochs`` measured
-    (from the first batch after the warm-up to the last)."""
-    from dataferry.client import Loader
+    (from the first batch after the warm-up to the last); ``request_size``
+    fixes the ids per request (None: the tuner's)."""
+    from dataferry.client import Loader, Prefetch
 
-    with Loader(source, dataset, batch_size=batch_size) as loader:
+    with Loader(source, dataset, batch_size=batch_size, prefetch=Prefetch(request_size=request_size)) as loader:
         samples = 0
         u0 = s0 = t0 = None
+        r0 = 0
         for epoch in range(warmup + epochs):
             for batch in loader:
                 if epoch < warmup:
                     continue
                 if t0 is None:
                     (u0, s0), t0 = _usage(), time.perf_counter()
+                    r0 = loader.stats().requests
                     continue
                 samples += len(batch)
         (u1, s1), wall = _usage(), time.perf_counter() - t0
-    return Run(samples, (u1 - u0) + (s1 - s0), wall, u1 - u0, s1 - s0)
+        requests = loader.stats().requests - r0
+    return Run(samples, (u1 - u0) + (s1 - s0), wall, u1 - u0, s1 - s0, requests)
 
 
 def recv_floor(samples: int, *, sender_cpus: set[int] | None = None, chunk: int = 4 << 20, ring: int = 32) -> Run:
@@ -203,6 +217,12 @@ def _row(name: str, rtt: str, runs: list[Run]) -> list[str]:
             f"{med(r.sys_us for r in runs):.1f}", f"{med(r.samples_per_s for r in runs):,.0f}"]
 
 
+def _ids_per_request(runs: list[Run]) -> str:
+    """The median over the runs of samples delivered per request sent (the measured span)."""
+    return f"{statistics.median(r.samples / r.requests for r in runs if r.requests):.0f}" if any(
+        r.requests for r in runs) else "-"
+
+
 def _memory_reference(images: int, epochs: int, batch_size: int, repeats: int) -> list[Run]:
     from dataferry.client import MemorySource
 
@@ -222,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-memory", action="store_true", help="leave out the MemorySource reference row")
     p.add_argument("--floor", action="store_true", help="add the kernel's share: a bare loopback recv_into of the bytes")
     p.add_argument("--pin", action="store_true", help="the server on CPU 0, this process on the others")
+    p.add_argument("--loader-sizes", default="",
+                   help="comma-separated request sizes: also the Loader over HTTP with Prefetch(request_size=n)")
     p.add_argument("--fetch-sizes", default="",
                    help="comma-separated request sizes: also HttpSource.fetch alone (no engine) at each, and the "
                         "CPU per request and per sample fitted to them")
@@ -260,8 +282,13 @@ def main(argv: list[str] | None = None) -> int:
             row = _row(f"HTTP, {'direct' if rtt == 0 else 'latency proxy'}", f"{rtt:g}", runs)
             each = " ".join(f"{r.us_per_sample:.1f}" for r in runs)
             print(f"http rtt {rtt:g} ms: {row[2]} us/sample (runs: {each}), user {row[3]}, sys {row[4]}, "
-                  f"{row[5]} samples/s", flush=True)
+                  f"{row[5]} samples/s, {_ids_per_request(runs)} ids a request (tuned)", flush=True)
             rows.append(row)
+        for n in [int(x) for x in args.loader_sizes.split(",") if x.strip()]:
+            runs = [measure(f"http://{server[0]}:{server[1]}", DATASET, args.epochs, args.batch_size, request_size=n)
+                    for _ in range(args.repeats)]
+            rows.append(_row(f"HTTP, direct, Loader at {n} ids a request", "0", runs))
+            print(f"loader at {n} ids: {rows[-1][2]} us/sample, user {rows[-1][3]}, sys {rows[-1][4]}", flush=True)
         sizes = [int(x) for x in args.fetch_sizes.split(",") if x.strip()]
         if sizes:
             got = fetch_alone(f"http://{server[0]}:{server[1]}", DATASET, sizes, repeats=args.repeats)

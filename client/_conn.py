@@ -45,6 +45,7 @@ MAX_HEAD = 1 << 16
 #: bytes kept of an answer that is not the one expected (an error's JSON body)
 ERROR_BODY = 1 << 16
 
+_monotonic = time.monotonic
 _HEAD, _BODY, _IDLE = range(3)
 _LENGTH, _CHUNKED, _TO_CLOSE = range(3)
 _C_SIZE, _C_DATA, _C_CRLF, _C_TRAILER = range(4)
@@ -152,7 +153,7 @@ class Connection(asyncio.BufferedProtocol):
         return None  # close our end too
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._phase == _BODY and self._chunk_data_left():
+        if self._phase == _BODY and (self._mode != _CHUNKED or self._chunk == _C_DATA):  # _chunk_data_left()
             view = self._consumer.sink()
             if view is not None:
                 self._direct = True
@@ -177,7 +178,7 @@ class Connection(asyncio.BufferedProtocol):
         return self._mv[hi : hi + READ_SIZE]
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._activity = time.monotonic()
+        self._activity = _monotonic()
         self.got_bytes = True
         try:
             if self._direct:

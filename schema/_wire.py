@@ -84,6 +84,10 @@ HEADER = struct.Struct("<2sBBB3xqiII")  # 28 bytes
 SAMPLE, NOT_FOUND, ERROR, END = 0, 1, 2, 3
 _HAS_TARGET = 1
 
+#: the same header read with the magic as a number (no bytes object made per record)
+_HEADER_IN = struct.Struct("<HBBB3xqiII")
+_MAGIC_IN = int.from_bytes(MAGIC, "little")
+
 IDLIST_MAGIC = b"DFIL"
 IDLIST_HEADER = struct.Struct("<4sB3xQ")  # 16 bytes
 
@@ -290,12 +294,12 @@ class FrameDecoder:
         """Every record complete in ``[_lo, _hi)``, in one pass."""
         buf, ro, lo, hi = self._buf, self._ro, self._lo, self._hi
         append = self.records.append
-        unpack, size, limit = HEADER.unpack_from, HEADER.size, self._max
-        start, ready = lo, 0
+        unpack, size, limit = _HEADER_IN.unpack_from, HEADER.size, self._max
+        start, ready, count = lo, 0, 0
         try:
             while hi - lo >= size:
                 magic, version, kind, flags, id_, label, tlen, dlen = unpack(buf, lo)
-                if magic != MAGIC or version != VERSION or kind > END:
+                if magic != _MAGIC_IN or version != VERSION or kind > END:
                     raise WireFormatError(f"bad record header {bytes(buf[lo : lo + 8]).hex()} (magic, version or kind)")
                 if tlen + dlen > limit:
                     raise WireFormatError(f"record of {tlen + dlen} bytes exceeds the limit of {limit}")
@@ -313,10 +317,10 @@ class FrameDecoder:
                         target = ro[at - tlen : at].tobytes()
                     append(_sample(id_, label, ro[at:end] if dlen else b"", target))
                     ready += dlen
-                    self.count += 1
+                    count += 1
                 elif kind == NOT_FOUND:
                     append(SampleNotFound(self.dataset, id_))
-                    self.count += 1
+                    count += 1
                 else:
                     self._finish(_error_record(ro[end - dlen : end]) if kind == ERROR else EndRecord(id_), end)
                     return
@@ -326,6 +330,7 @@ class FrameDecoder:
         finally:
             self.ready_bytes += ready
             self.nbytes += lo - start
+            self.count += count
         self._lo = lo
 
     def _finish(self, rec: ErrorRecord | EndRecord, lo: int) -> None:

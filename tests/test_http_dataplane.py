@@ -400,12 +400,13 @@ def _read_as_a_socket(dec, body: bytes, most: int) -> list:
 def test_client_cpu_bench_smoke(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "dataferry.bench.client_cpu", "--data", "random", "--images", "64", "--epochs", "1",
-         "--repeats", "1", "--batch-size", "16", "--no-memory", "--fetch-sizes", "4,8"],
+         "--repeats", "1", "--batch-size", "16", "--no-memory", "--fetch-sizes", "4,8", "--loader-sizes", "8"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "client CPU us/sample" in out.stdout and "HTTP, direct" in out.stdout
     assert "HttpSource.fetch alone, 8 ids a request" in out.stdout and "us per request +" in out.stdout
+    assert "Loader at 8 ids a request" in out.stdout and "ids a request (tuned)" in out.stdout
 
 
 def test_the_per_request_fit_recovers_a_known_split():
