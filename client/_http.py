@@ -116,7 +116,10 @@ class HttpOptions:
     #: server's token file (one per line, # comments); the first token is sent
     token_file: str | None = None
     #: bytes of received samples a response may hold, not yet taken by the
-    #: engine, before its socket is paused (backpressure to the server)
+    #: engine, before its socket is paused (backpressure to the server). Judged
+    #: once the loop has run what was ready (the engine, woken by the read,
+    #: among it), before the next read: a consumer that keeps up is never paused,
+    #: one that falls behind is, and may hold one read's worth more
     read_buffer: int = 1 << 20
     #: the largest record accepted (guards memory against a broken server)
     max_record_bytes: int = 1 << 30
