@@ -260,6 +260,43 @@ def private_server(cassandra_server, tmp_path_factory):
     server.stop()
 
 
+def test_reads_timed_out_give_their_streams_back_when_the_late_answers_come(private_server, ds):
+    """A read that times out (the hot path's one loop timer) keeps its stream id, as the driver's
+    timeout does, until the late answer comes; then every stream is free and reads work again."""
+    url = private_server.url("dft", request_timeout=1, connect_timeout=2, protocol_version=1)
+    recs = records(ds, 30, size=100)
+    pgid = private_server.pid
+
+    def pool_state(store):
+        conns = [c for c in list(store._cluster.connection_class.opened)
+                 if not (c.is_control_connection or c.is_closed)]
+        return sum(len(c.orphaned_request_ids) for c in conns), sum(c.in_flight for c in conns)
+
+    async def go():
+        async with await open_store(url) as store:
+            await store.put_samples(ds, recs)
+            os.killpg(pgid, signal.SIGSTOP)
+            try:
+                with pytest.raises(StoreTimeout, match=f"dataset '{ds}'"):
+                    await collect(store, ds, [r.sample.id for r in recs])
+                await asyncio.sleep(1.5)  # every read in flight is past its deadline
+                orphaned = pool_state(store)[0]
+            finally:
+                os.killpg(pgid, signal.SIGCONT)
+            for _ in range(100):  # the late answers free the streams
+                if pool_state(store) == (0, 0):
+                    break
+                await asyncio.sleep(0.1)
+            freed = pool_state(store)
+            got = await collect(store, ds, [r.sample.id for r in recs])
+            return orphaned, freed, got, store._inflight
+
+    orphaned, freed, got, inflight = run(go())
+    assert orphaned >= 1 and freed == (0, 0) and inflight == 0
+    want = {r.sample.id: r.sample for r in recs}
+    assert len(got) == len(recs) and all(g == want[g.id] for g in got)
+
+
 def test_frozen_then_dead_server_raises_instead_of_hanging(private_server, ds):
     url = private_server.url("dft", request_timeout=1, connect_timeout=2)
     recs = records(ds, 20, size=100)
