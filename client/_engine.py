@@ -312,6 +312,9 @@ class Link:
         self._full_bw, self._flat_rounds, self._round_end = 0.0, 0, 0.0
         self._round_start: float | None = None
         self._round_cpu = 0.0
+        #: the lowest whole-request latency in this round trip and in the last: a queue at a
+        #: bottleneck delays every request, so the queue rule (tuned) reads the lowest, not each
+        self._low_now = self._low_last = _INF
         self.busy: float | None = None  # the share of the last round trip the engine's thread was on CPU
         self.sizer: _RequestSizer | None = None
         self.concurrency: int | None = None  # requests the source carries at once, hedges set aside
@@ -424,6 +427,7 @@ class Link:
             self.busy = min(1.0, (cpu - self._round_cpu) / (now - self._round_start))
         self._round_start, self._round_cpu = now, cpu
         self._round_end = now + max(self.min_latency, self.RATE_MIN_S)
+        self._low_last, self._low_now = self._low_now, _INF
         self._fit_size()
         if not self.filled:
             # has the rate grown by a quarter? three times no: the pipe is full
@@ -526,7 +530,10 @@ class Link:
         min_latency / latency)`` estimates how many requests wait at the
         bottleneck (the server, or the link); above ``QUEUE_HIGH`` the window
         shrinks, between the two it holds. Extra requests there would add only
-        memory and latency, not throughput.
+        memory and latency, not throughput. Tuned, ``latency`` there is the
+        lowest of this round trip and the last: a queue delays every request,
+        a tail (a burst's last answers waiting for this busy thread, a
+        straggler) only some, and shrinking the window would not shorten it.
         """
         p = self.prefetch
         if self.sizer is not None and samples and not self.sizer.done and self.filled:
@@ -549,6 +556,12 @@ class Link:
         else:
             self.min_latency = min(self.latencies)
         queued = 0.0
+        if self.tuned:
+            # a queue delays every request; a tail (a burst's last answers waiting for a busy
+            # engine thread, a straggler) does not: judge by the lowest latency this round trip
+            # and the last, so answers at the floor in each round trip mean no queue
+            self._low_now = min(self._low_now, latency)
+            latency = min(self._low_now, self._low_last)
         if p.adaptive and latency > 0:
             queued = self.window * (1.0 - self.min_latency / latency)
         target = self.target()
