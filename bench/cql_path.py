@@ -31,8 +31,9 @@ Per run:
   the driver's IO thread) from the first batch to the end of the epoch, per
   sample, and of that the driver's IO thread's (libev's ``event_loop``: reading,
   decoding, callbacks) and the engine loop's (``dataferry-engine``: issuing
-  requests through ``Session.execute_async``, batching); **set-up CPU** is the
-  CPU before the first batch.
+  requests, which for sample reads is the hot path's binding and sending,
+  ``schema/_cqlfast.py``, and batching); **set-up CPU** is the CPU before the
+  first batch.
 
 ``--read-path`` measures the read side of one connection alone: ``--frames``
 frames of 110 KB (a sample's answer) written into a socket pair whose other end

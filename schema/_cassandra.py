@@ -1,8 +1,13 @@
 """CassandraStore: the store on Apache Cassandra (1.2 to 5) and ScyllaDB.
 
 One prepared statement per request, one partition per sample, so every read
-is a single-partition lookup routed to a replica (token-aware policy). The
-driver runs its own IO thread; its callbacks append each answer to one queue
+is a single-partition lookup routed to a replica (token-aware policy). Sample
+reads (``_HOT``) take the hot path (``_cqlfast.HotReads``: the driver's pool
+connections without its per-request ``ResponseFuture``, rows decoded by a
+small reader, one loop timer for every deadline); what it cannot send or
+that gets anything but rows goes again through ``Session.execute_async``, as
+every other request does. The driver runs its own IO thread; its callbacks
+(and the hot path's) append each answer to one queue
 and wake the event loop only when the queue was idle
 (``loop.call_soon_threadsafe`` once per burst, not once per answer), and the
 loop settles every queued answer in one go. An ``asyncio.Semaphore`` of
@@ -29,8 +34,9 @@ the translation of driver errors live in ``_cqlconnect.py``.
 closes with its prefetch outstanding; at most ``_CLOSE_GRACE_S``), then shuts
 the cluster down off the loop and awaits it. A request cut off by the shutdown
 keeps its driver timer until its deadline, which keeps the driver's IO thread
-alive (asleep) until then; answered ones leave nothing behind, and the thread
-ends with the last connection.
+alive (asleep) until then (a hot read has no driver timer: its connection's
+close fails it); answered ones leave nothing behind, and the thread ends with
+the last connection.
 """
 
 from __future__ import annotations
