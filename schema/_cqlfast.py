@@ -11,7 +11,9 @@ cost ~300 us of CPU; ``python -m dataferry.bench.cql_path``). Here a read:
   pool for the plan's first host, with a stream id the pool hands out;
 * is answered through a decoder of our own (:func:`decode_rows`): a RESULT of
   kind Rows whose columns are all ``int``, ``bigint`` or ``blob`` becomes a
-  list of tuples, read with two ``struct`` calls per cell; anything else (an
+  list of tuples, read with a ``struct`` call per cell from a view of the
+  connection's read buffer (``_cqlconnect._frame_reader``), so a blob is
+  copied once after the socket; anything else (an
   error, a warning or tracing flag, a page, a column of another type, a
   body it cannot read) is decoded by the driver's own decoder;
 * times out on the event loop: one timer for all the reads in flight (they
@@ -133,8 +135,11 @@ def _decoder(types: tuple[str, ...], fallback):
                 rows = None
             if rows is not None:
                 return rows
+        if type(body) is not bytes:  # a view of the connection's buffer (reads_views): the driver takes bytes
+            body = bytes(body)
         return fallback(version, user_type_map, stream_id, flags, opcode, body, decompressor, result_metadata)
 
+    decode.reads_views = True
     return decode
 
 

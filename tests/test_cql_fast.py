@@ -73,6 +73,10 @@ def test_rows_decode_as_the_driver_decodes_them(version, flags):
         body = rows_body(rows, flags=flags)
         ours = decode_rows(body, TYPES)
         assert ours == rows
+        # in place: a view of the connection's read buffer, as the frame reader hands it
+        window = bytearray(b"\xff" * 7 + body + b"\xee" * 5)
+        viewed = decode_rows(memoryview(window)[7:7 + len(body)], TYPES)
+        assert viewed == rows and all(type(c) in (int, bytes, type(None)) for r in viewed for c in r)
         assert ours == [tuple(r) for r in driver_rows(version, body).parsed_rows]
     body = rows_body([(5, -(2**63))], ("int", "bigint"), flags=flags)
     assert decode_rows(body, ("int", "bigint")) == [(5, -(2**63))]
@@ -98,6 +102,7 @@ def test_the_decoder_hands_the_rest_to_the_drivers(version):
     decode = _decoder(TYPES, ProtocolHandler.decode_message)
     body = rows_body(SAMPLE_ROWS)
     assert decode(version, {}, 1, 0, 0x08, body, None, None) == SAMPLE_ROWS
+    assert decode.reads_views and decode(version, {}, 1, 0, 0x08, memoryview(body), None, None) == SAMPLE_ROWS
     # a warning (v4+) is read by the driver: the rows arrive as its message
     if version >= 4:
         warned = struct.pack(">H", 1) + _string("tombstones") + body
@@ -107,6 +112,9 @@ def test_the_decoder_hands_the_rest_to_the_drivers(version):
     err = decode(version, {}, 1, 0, 0x00, struct.pack(">i", 0x1000) + _string("no replicas")
                  + struct.pack(">Hii", 1, 2, 1), None, None)
     assert isinstance(err, ErrorMessage) and "no replicas" in str(err)
+    viewed = decode(version, {}, 1, 0, 0x00, memoryview(struct.pack(">i", 0x1000) + _string("no replicas")
+                                                         + struct.pack(">Hii", 1, 2, 1)), None, None)
+    assert isinstance(viewed, ErrorMessage) and "no replicas" in str(viewed)  # the driver got bytes
     cut = body[: len(body) // 2]
     with pytest.raises(Exception) as driver:
         ProtocolHandler.decode_message(version, {}, 1, 0, 0x08, cut, None, None)
