@@ -209,6 +209,7 @@ class HttpSource:
         self._prefix = u.raw_path.rstrip("/")
         auth = f"Authorization: Bearer {token}\r\n" if token else ""
         self._headers = f"Host: {netloc}\r\nUser-Agent: dataferry\r\nAccept-Encoding: identity\r\n{auth}"
+        self._fetch_heads: dict[str, tuple[str, bytes]] = {}  # dataset -> (path, request head up to its length)
 
     @classmethod
     async def open(cls, url: str, *, token: str | None = None, options: HttpOptions = HttpOptions()) -> HttpSource:
@@ -236,9 +237,14 @@ class HttpSource:
             return
         what = f"fetch of {len(ids)} samples of dataset {dataset!r}"
         answered = 0
-        path = self._path(dataset, "samples")
+        made = self._fetch_heads.get(dataset)
+        if made is None:  # the request's head, but for its length, made once per dataset
+            path = self._path(dataset, "samples")
+            head = f"POST {self._prefix}{path} HTTP/1.1\r\n{self._headers}Content-Type: {IDS_TYPE}\r\nContent-Length: "
+            made = self._fetch_heads[dataset] = (path, head.encode("latin-1"))
+        path, head = made
         body = encode_ids(ids)
-        request = self._request("POST", path, body, IDS_TYPE)
+        request = b"%s%d\r\n\r\n%s" % (head, len(body), body)
         decoder = FrameDecoder(dataset, max_record=self.options.max_record_bytes, arena=self._buffers.take,
                                give_back=self._buffers.give_back, expect=len(ids), mean=self._mean_record)
         try:
