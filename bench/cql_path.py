@@ -1,6 +1,6 @@
 """The CQL path alone: a Loader reading ``cassandra://`` straight from the store.
 
-``python -m dataferry.bench.cql_path [--images 2048] [--rtts 0,100] [--repeats 3] [--batch-size 256]``
+``python -m dataferry.bench.cql_path [--images 2048] [--rtts 0,100] [--repeats 3] [--batch-size 256] [--paths hot,driver]``
 ``python -m dataferry.bench.cql_path --read-path [--frames 2000] [--repeats 3]``
 
 A throwaway Cassandra 1.2 (``_devcassandra``, protocol v1) holds ``--images``
@@ -9,7 +9,11 @@ state carried over) that creates a ``Loader`` on the store URL and reads one
 epoch; runs go straight to the server ("direct") and through a latency-proxy
 process per RTT (the proxy is the only address the driver is given: a
 one-node cluster has no peers for it to discover past the proxy). Repeats are
-interleaved; the table shows medians.
+interleaved; the table shows medians. ``--paths hot,driver`` runs each link
+twice per repeat: sample reads on the store's hot path (the default,
+``schema/_cqlfast.py``) and, in rows marked "driver path", through the
+driver's ``Session.execute_async`` as every read went before it (the hot
+path switched off in that child process only).
 
 Per run:
 
@@ -47,11 +51,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 from ._common import prepared_store, stat_fields, table
 
@@ -94,9 +100,15 @@ def _thread_cpu() -> dict[str, float]:
     return out
 
 
-def measure(url: str, batch_size: int) -> dict:
-    """One run in this process: a Loader on ``url``, one epoch (see the module docs)."""
+def measure(url: str, batch_size: int, path: str = "hot") -> dict:
+    """One run in this process: a Loader on ``url``, one epoch (see the module docs); ``path``
+    "driver" sends the sample reads through ``execute_async``, not the hot path."""
     from dataferry.client import Loader
+
+    if path == "driver":
+        from dataferry.schema import _cassandra
+
+        _cassandra._HOT = {}  # no statement is read on the hot path in this process
 
     i0 = time.perf_counter()
     sent, unhook = _count_messages()  # imports the driver (the Loader would, on creating it)
@@ -140,9 +152,10 @@ def measure(url: str, batch_size: int) -> dict:
     }
 
 
-def _run_child(url: str, batch_size: int) -> dict:
+def _run_child(url: str, batch_size: int, path: str) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "dataferry.bench.cql_path", "--child", url, "--batch-size", str(batch_size)],
+        [sys.executable, "-m", "dataferry.bench.cql_path", "--child", url, "--batch-size", str(batch_size),
+         "--paths", path],
         capture_output=True, text=True, check=False,
     )
     if out.returncode != 0:
@@ -150,7 +163,8 @@ def _run_child(url: str, batch_size: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run(images: int, rtts: list[float], repeats: int, batch_size: int) -> tuple[list[list[str]], list[list[str]]]:
+def run(images: int, rtts: list[float], repeats: int, batch_size: int,
+        paths: Sequence[str] = ("hot",)) -> tuple[list[list[str]], list[list[str]]]:
     """``(rows, phases)``: the table's rows, and when each step of the set-up began (medians)."""
     from ._links import Condition, ProxyLink
     from ._loaders import with_options
@@ -165,10 +179,11 @@ def run(images: int, rtts: list[float], repeats: int, batch_size: int) -> tuple[
             route = stack.enter_context(link.emulate(Condition(rtt_ms=rtt)))
             targets[f"proxy {rtt:g} ms"] = with_options(url, *route(address))
         for repeat in range(repeats):
-            for name, target in targets.items():
-                r = _run_child(target, batch_size)
+            for (link, target), path in itertools.product(targets.items(), paths):
+                name = link if path == "hot" else f"{link}, driver path"
+                r = _run_child(target, batch_size, path)
                 results.setdefault(name, []).append(r)
-                print(f"  {name:<14} run {repeat + 1}: first batch {r['first_batch_s']:.3f} s, "
+                print(f"  {name:<26} run {repeat + 1}: first batch {r['first_batch_s']:.3f} s, "
                       f"{r['setup_requests']} set-up requests, {r['connections']} connections, "
                       f"{r['total_per_s']:,.0f} samples/s from creating the Loader "
                       f"({r['samples_per_s']:,.0f}/s after the first batch), {r['cpu_us_per_sample']:.1f} us CPU/sample",
@@ -182,7 +197,7 @@ def run(images: int, rtts: list[float], repeats: int, batch_size: int) -> tuple[
             f"{med(key) * 1e3:.0f}" for key in ("at_startup_s", "at_register_s", "at_prepare_s", "at_execute_s",
                                                  "at_read_s", "first_batch_s"))])
 
-        rtt = float(name.split()[1]) if name.startswith("proxy") else 0.0
+        rtt = float(name.split()[1]) if name.startswith("proxy") else 0.0  # "proxy 100 ms[, driver path]"
         rows.append([
             name, f"{med('first_batch_s'):.3f}", f"{med('first_batch_s') * 1e3 / rtt:.1f}" if rtt else "-",
             f"{med('setup_requests'):.0f}", f"{med('connections'):.0f}", f"{med('total_per_s'):,.0f}",
@@ -273,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rtts", default="0,100", help="RTTs in ms through the latency proxy, comma-separated")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--paths", default="hot",
+                   help="sample reads on the store's hot path and/or through the driver's execute_async: hot,driver")
     p.add_argument("--read-path", action="store_true", help="measure one connection's read side alone")
     p.add_argument("--frames", type=int, default=2000, help="110 KB frames per --read-path run")
     p.add_argument("--child", metavar="URL", help=argparse.SUPPRESS)  # one measuring run, JSON on stdout
@@ -283,10 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         print(table(["reader", "socket buffers", "CPU us per frame", "GB/s of one core"], rows))
         return 0
     if args.child:
-        print(json.dumps(measure(args.child, args.batch_size)))
+        print(json.dumps(measure(args.child, args.batch_size, args.paths)))
         return 0
     rtts = [float(x) for x in args.rtts.split(",") if x.strip()]
-    rows, phases = run(args.images, rtts, args.repeats, args.batch_size)
+    paths = [x.strip() for x in args.paths.split(",") if x.strip()]
+    if not paths or set(paths) - {"hot", "driver"}:
+        p.error(f"--paths: {args.paths!r}: name hot, driver or both")
+    rows, phases = run(args.images, rtts, args.repeats, args.batch_size, paths)
     print(f"median of {args.repeats} runs; {args.images} images, batch {args.batch_size}")
     print(table(["link", "first batch s", "first batch / RTT", "set-up requests", "connections",
                  "samples/s from creating the Loader", "samples/s after the first batch", "CPU us/sample",

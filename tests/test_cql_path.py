@@ -430,3 +430,98 @@ def test_the_frame_reader_hands_over_every_frame_whole_however_the_bytes_arrive(
             theirs.close()
     finally:
         shutdown(cluster)
+
+
+def test_the_frame_reader_hands_a_hot_reads_body_in_place_and_the_rest_as_bytes(dataset):
+    """A frame whose request registered a decoder that reads views (the hot path's) is handed over
+    as a view of the connection's buffer, valid while ``process_msg`` runs; every other frame as
+    bytes. Either way byte-exact and in order, however the bytes arrive."""
+    import random
+    import select
+    import socket
+    import struct
+
+    from dataferry.schema._cqlconnect import _READ_SIZE, open_cluster, shutdown
+
+    def in_place():
+        pass
+
+    in_place.reads_views = True
+    url, _, _ = dataset
+    cluster, session, _ = open_cluster(parse_store_url(_url(url)))  # the session holds the pool
+    try:
+        conn = next(c for c in list(cluster.connection_class.opened) if not (c.is_control_connection or c.is_closed))
+        if conn.protocol_version >= 5:
+            pytest.skip("v5 frames come in segments: the driver's own reader")
+        header = struct.Struct(">BBhBi" if conn.protocol_version >= 3 else ">BBbBi")
+        rng = random.Random(11)
+        sizes = [0, 9, 110_003, 3, _READ_SIZE, 100_000, 2 * _READ_SIZE + 1, 40]
+        bodies = [rng.randbytes(n) for n in sizes]
+        stream0 = 100  # stream ids no request of the pool holds now
+        wire = b"".join(header.pack(0x80 | conn.protocol_version, 0, stream0 + i, 0x08, len(b)) + b
+                        for i, b in enumerate(bodies))
+        got: list[tuple[int, type, bytes]] = []
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        theirs.setblocking(False)
+
+        def feed(data: bytes) -> None:
+            """Send ``data``, reading on our side whenever something is there to read."""
+            view = memoryview(data)
+            while view:
+                try:
+                    view = view[theirs.send(view):]
+                except BlockingIOError:
+                    pass
+                while select.select([ours], [], [], 0)[0]:
+                    conn.handle_read(None, 0)
+
+        original = conn._socket
+        conn.process_msg = lambda frame, body: got.append((frame.stream - stream0, type(body), bytes(body)))
+        conn._socket = ours
+        hot = [i for i in range(len(bodies)) if i % 2]
+        try:
+            for chunking in ("all", "random"):
+                got.clear()
+                for i in hot:
+                    conn._requests[stream0 + i] = (lambda answer: None, in_place, None)
+                pos = 0
+                while pos < len(wire):
+                    step = len(wire) if chunking == "all" else rng.choice((1, 9, 4096, 70_000, 300_000))
+                    feed(wire[pos:pos + step])
+                    pos += step
+                for i in hot:
+                    del conn._requests[stream0 + i]
+                assert [s for s, _, _ in got] == list(range(len(bodies))), chunking
+                assert [t is memoryview for _, t, _ in got] == [i in hot for i in range(len(bodies))], chunking
+                assert all(body == bodies[s] for s, _, body in got), chunking
+                assert conn._frames[1] == conn._frames[2] == 0, chunking
+        finally:
+            conn._socket = original
+            del conn.process_msg
+            ours.close()
+            theirs.close()
+    finally:
+        shutdown(cluster)
+
+
+def test_the_bench_measures_either_read_path(dataset, monkeypatch):
+    """``bench.cql_path --paths hot,driver``: a child on the driver path sends every sample read
+    through ``execute_async``, one on the hot path none; both read the whole split."""
+    from cassandra.cluster import Session
+
+    from dataferry.bench import cql_path
+    from dataferry.schema import _cassandra
+
+    url, name, data = dataset
+    monkeypatch.setattr(cql_path, "DATASET", name)
+    monkeypatch.setattr(_cassandra, "_HOT", dict(_cassandra._HOT))  # measure("driver") empties it
+    calls, real = [], Session.execute_async
+    monkeypatch.setattr(Session, "execute_async", lambda self, *a, **k: calls.append(a[1]) or real(self, *a, **k))
+    counts = {}
+    for path in ("hot", "driver"):
+        calls.clear()
+        result = cql_path.measure(_url(url), 16, path)
+        reads = {params[1] for params in calls if len(params) == 2 and isinstance(params[1], int)}  # sample ids
+        counts[path] = (result["samples"], len(reads))
+    assert counts == {"hot": (len(data), 0), "driver": (len(data), len(data))}
