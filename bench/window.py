@@ -18,7 +18,13 @@ sockets, no server. Per latency, medians of ``--runs``:
   (the first round trips while the window opens, the first batch's wait);
 * ``first batch``: seconds from creating the Loader to the first batch;
 * ``epoch 0``: seconds to the end of the first epoch (the run's end if it ends first);
-* ``us/sample``: this process's CPU per sample delivered;
+* ``us/sample``: this process's CPU per sample delivered, and ``CPU share``
+  its CPU seconds over the run's wall time (both threads; on a shared machine
+  below 1 means other work took the cores);
+* ``req ms``: a request's mean whole latency (sent to last answer handled:
+  the emulated round trip plus the time its answers waited for the engine's
+  thread); ``held``: the share of the run the engine had requests to send but
+  its window (``w``) or its byte budget (``b``) was full;
 * ``window``: requests allowed in flight at the end, and ``ids/req`` the
   request size then; then the window over time of the median run (requests,
   at 0.05 s, 0.1 s, 0.2 s, 0.4 s, ...).
@@ -69,6 +75,9 @@ class WindowRun:
     window: int
     request_size: int
     trace: tuple[tuple[float, int], ...]  # (seconds since start, window)
+    latency_mean: float = 0.0  # seconds a request took, answered whole, mean over the run
+    window_full: float = 0.0  # seconds the engine had requests to send but its window was full
+    budget_full: float = 0.0  # ... but its byte budget was full
 
     @property
     def samples_per_s(self) -> float:
@@ -130,7 +139,8 @@ def run_once(source, prefetch, *, seconds: float, batch_size: int = 256, max_sam
             if epoch0 is None:
                 epoch0 = time.perf_counter() - t0
         end = time.perf_counter() - t0
-        window = loader.stats().window
+        stats = loader.stats()
+        window = stats.window
         request_size = getattr(loader._link, "request_size", None) or loader.prefetch.request_size or 32
     cpu1 = os.times()
     cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
@@ -139,6 +149,8 @@ def run_once(source, prefetch, *, seconds: float, batch_size: int = 256, max_sam
         steady_samples=steady, steady_seconds=end - (steady_t0 or end),
         first_batch=first_batch or end, epoch0=epoch0 or end, cpu=cpu, window=window,
         request_size=int(request_size), trace=tuple(trace),
+        latency_mean=stats.latency_sum / stats.answers if stats.answers else 0.0,
+        window_full=stats.window_full, budget_full=stats.budget_full,
     )
 
 
@@ -230,11 +242,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{statistics.median(r.first_batch for r in runs):.3f}",
             f"{statistics.median(r.epoch0 for r in runs):.2f}",
             f"{statistics.median(r.us_per_sample for r in runs):.1f}",
+            f"{statistics.median(r.cpu / r.seconds for r in runs):.2f}",
+            f"{statistics.median(r.latency_mean for r in runs) * 1e3:.0f}",
+            f"w {statistics.median(r.window_full / r.seconds for r in runs):.2f}, "
+            f"b {statistics.median(r.budget_full / r.seconds for r in runs):.2f}",
             str(med.window), str(med.request_size), "-" if cap == float("inf") else f"{cap:,.0f}",
         ])
         traces.append(f"{lat * 1e3:g} ms: " + " ".join(f"{t:.2f}s:{w}" for t, w in med.trace))
     print(table(["latency", "samples/s", "ratio", "steady/s", "steady ratio", "ramp", "first batch s", "epoch 0 s",
-                 "us/sample", "window", "ids/req", "budget cap/s"], rows))
+                 "us/sample", "CPU share", "req ms", "held", "window", "ids/req", "budget cap/s"], rows))
     print("window over time (median run):")
     print("\n".join(traces))
     return 0

@@ -17,5 +17,9 @@ def test_the_window_bench_prints_both_ratios_and_the_ramp_share(capsys):
         rate, steady = float(r["samples/s"].replace(",", "")), float(r["steady/s"].replace(",", ""))
         assert rate > 0 and steady > 0, r
         assert abs(float(r["ramp"]) - max(0.0, 1 - rate / steady)) < 0.011, r
+        assert 0 < float(r["CPU share"]) <= 2.5, r  # two threads at most on CPU at once, and their CPU
+        w, b = (float(x.split()[1]) for x in r["held"].split(", "))
+        assert 0 <= w <= 1 and 0 <= b <= 1, r
+    assert int(rows[1]["req ms"]) >= 20, rows[1]  # a request takes at least its emulated round trip
     assert rows[0]["ratio"] == rows[0]["steady ratio"] == "1.00", rows[0]
     assert "window over time" in out
