@@ -187,8 +187,11 @@ class HotReads:
             decoder = self._decoders[ps.query_id] = _decoder(tuple(types), self._handler.decode_message) if ok else None
         if decoder is None or self._closed:
             return False
-        bound = ps.bind(params)
-        host = next(iter(self._policy.make_query_plan(self._keyspace, bound)), None)
+        try:
+            bound = ps.bind(params)
+            host = next(iter(self._policy.make_query_plan(self._keyspace, bound)), None)
+        except Exception:  # noqa: BLE001 - a value that does not bind: execute_async raises it, as before
+            return False
         pool = self._pools.get(host) if host is not None else None
         if pool is None or pool.is_shutdown:
             return False

@@ -195,3 +195,20 @@ def test_an_error_answer_goes_again_the_drivers_way_and_is_translated(cassandra_
     err, calls, inflight = asyncio.run(go())
     assert "Unavailable" in str(err) or "unavailable" in str(err).lower()
     assert calls >= 1 and inflight == 0
+
+
+@pytest.mark.cassandra
+def test_a_read_the_driver_cannot_bind_fails_like_before_and_leaves_nothing_in_flight(cassandra_url):
+    """An id outside bigint cannot be bound: the hot path leaves it to execute_async, which fails
+    it as before (the error reaches the caller), and the store's count of requests in flight
+    goes back to zero (close does not wait for it)."""
+    ds = f"hot_{uuid.uuid4().hex[:8]}"
+
+    async def go():
+        async with await open_store(cassandra_url) as store:
+            with pytest.raises(Exception) as info:
+                [s async for s in store.fetch(ds, [2**70])]
+            return info.value, store._inflight, store._idle.is_set()
+
+    err, inflight, idle = asyncio.run(go())
+    assert not isinstance(err, AssertionError) and (inflight, idle) == (0, True), err
