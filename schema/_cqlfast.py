@@ -40,7 +40,7 @@ import struct
 from collections import deque
 from functools import partial
 
-__all__ = ["Again", "HotReads", "decode_rows", "readable"]
+__all__ = ["Again", "HotReads", "decode_rows", "execute_message", "readable"]
 
 _INT = struct.Struct(">i")
 _TWO_INTS = struct.Struct(">ii")
@@ -143,6 +143,17 @@ def _decoder(types: tuple[str, ...], fallback):
     return decode
 
 
+def execute_message(ps, values: list, consistency: int, fetch_size: int | None):
+    """The EXECUTE a read of ``ps`` sends, as ``Session.execute_async`` builds it for a bound prepared
+    statement (driver 3.x): no serial consistency, paging state or client timestamp (a read), a page
+    size from v2, the result metadata id from v5 (``skip_meta`` is what the driver records; 3.x
+    sends no SKIP_METADATA flag, so rows come with their column specs)."""
+    from cassandra.protocol import ExecuteMessage
+
+    return ExecuteMessage(ps.query_id, values, consistency, None, fetch_size, None, None,
+                          skip_meta=bool(ps.result_metadata), result_metadata_id=ps.result_metadata_id)
+
+
 class _Read:
     """One hot read in flight."""
 
@@ -159,7 +170,7 @@ class HotReads:
     :class:`Again` for the driver's path, or the driver's ``OperationTimedOut`` after ``timeout``."""
 
     def __init__(self, session, profile, timeout: float, loop, arrive) -> None:
-        from cassandra.protocol import ExecuteMessage, ResultMessage
+        from cassandra.protocol import ResultMessage
 
         self._session = session
         self._pools = session._pools
@@ -168,7 +179,7 @@ class HotReads:
         self._consistency = profile.consistency_level
         self._fetch_size = session.default_fetch_size if session.cluster.protocol_version >= 2 else None
         self._keyspace = session.keyspace
-        self._message, self._result = ExecuteMessage, ResultMessage
+        self._result = ResultMessage
         self._timeout = timeout
         self._loop = loop
         self._arrive = arrive
@@ -199,8 +210,7 @@ class HotReads:
             conn, req_id = pool.borrow_connection(timeout=2.0)
         except Exception:  # noqa: BLE001 - at capacity, or shut down: the driver's path says which
             return False
-        message = self._message(ps.query_id, bound.values, self._consistency, None, self._fetch_size, None, None,
-                                skip_meta=bool(ps.result_metadata), result_metadata_id=ps.result_metadata_id)
+        message = execute_message(ps, bound.values, self._consistency, self._fetch_size)
         read = _Read(self._loop.time() + self._timeout, conn, req_id, pool, host, ps, params, item)
         try:
             conn.send_msg(message, req_id, cb=partial(self._answered, read), encoder=self._handler.encode_message,

@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from dataferry.schema import Sample, SampleNotFound, StoreUnavailable, open_store, parse_store_url
-from dataferry.schema._cqlfast import _decoder, decode_rows, readable
+from dataferry.schema._cqlfast import _decoder, decode_rows, execute_message, readable
 
 V = (1, 2, 3, 4, 5)
 TYPES = ("int", "blob", "blob")
@@ -131,6 +131,65 @@ def test_readable_checks_the_statements_result_columns():
     assert not readable(TYPES, [("k", "t", "label", Int32Type), ("k", "t", "data", UTF8Type),
                                 ("k", "t", "target", BytesType)])
     assert not readable(("int", "text"), None)
+
+
+@pytest.mark.parametrize("version", V)
+def test_the_execute_a_hot_read_sends_at_each_version(version):
+    """The hot path's EXECUTE, encoded by the driver, read back from the spec (section 4.1.5):
+    the values, the consistency, and from v2 the flags of a prepared read as execute_async sends
+    them (values, page size), from v5 the result metadata id."""
+    from cassandra import ConsistencyLevel
+    from cassandra.cqltypes import BytesType, Int32Type, LongType, UTF8Type
+    from cassandra.protocol import ColumnMetadata, ProtocolHandler
+    from cassandra.query import PreparedStatement
+
+    binds = [ColumnMetadata("ks", "samples", "dataset", UTF8Type), ColumnMetadata("ks", "samples", "id", LongType)]
+    result = None if version == 1 else [ColumnMetadata("ks", "samples", name, t) for name, t in
+                                        (("label", Int32Type), ("data", BytesType), ("target", BytesType))]
+    ps = PreparedStatement(binds, b"qid-0123", [0, 1], "SELECT ...", "ks", version, result,
+                           b"rmid" if version >= 5 else None)
+    bound = ps.bind(("cats", -42))
+    msg = execute_message(ps, bound.values, ConsistencyLevel.QUORUM, None if version == 1 else 5000)
+    frame = ProtocolHandler.encode_message(msg, 7, version, compressor=None, allow_beta_protocol_version=False)
+    head = struct.Struct(">BBbBi" if version < 3 else ">BBhBi")
+    v, flags, stream, opcode, length = head.unpack_from(frame)
+    body = frame[head.size:]
+    assert (v, flags, stream, opcode, length) == (version, 0, 7, 0x0A, len(body))
+
+    def short_bytes(pos):
+        n = struct.unpack_from(">H", body, pos)[0]
+        return body[pos + 2:pos + 2 + n], pos + 2 + n
+
+    def values(pos):
+        count = struct.unpack_from(">H", body, pos)[0]
+        pos, out = pos + 2, []
+        for _ in range(count):
+            n = struct.unpack_from(">i", body, pos)[0]
+            out.append(body[pos + 4:pos + 4 + n])
+            pos += 4 + n
+        return out, pos
+
+    want = [b"cats", struct.pack(">q", -42)]
+    query_id, pos = short_bytes(0)
+    assert query_id == b"qid-0123"
+    if version == 1:
+        got, pos = values(pos)
+        assert (got, struct.unpack_from(">H", body, pos)[0], len(body)) == (want, ConsistencyLevel.QUORUM, pos + 2)
+        return
+    if version >= 5:
+        metadata_id, pos = short_bytes(pos)
+        assert metadata_id == b"rmid"
+    consistency = struct.unpack_from(">H", body, pos)[0]
+    pos += 2
+    if version >= 5:
+        query_flags, pos = struct.unpack_from(">i", body, pos)[0], pos + 4
+    else:
+        query_flags, pos = body[pos], pos + 1
+    # values and page size; no SKIP_METADATA (0x02): driver 3.x keeps skip_meta on the message, never on the
+    # wire, so rows come with their column specs, which decode_rows checks against the types it reads
+    assert consistency == ConsistencyLevel.QUORUM and query_flags == 0x01 | 0x04
+    got, pos = values(pos)
+    assert got == want and struct.unpack_from(">i", body, pos)[0] == 5000 and len(body) == pos + 4
 
 
 # --- on a real server --------------------------------------------------------------------------
