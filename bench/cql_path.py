@@ -1,6 +1,7 @@
 """The CQL path alone: a Loader reading ``cassandra://`` straight from the store.
 
-``python -m dataferry.bench.cql_path [--images 2048] [--rtts 0,100] [--repeats 3] [--batch-size 256] [--paths hot,driver]``
+``python -m dataferry.bench.cql_path [--images 2048] [--rtts 0,100] [--repeats 3] [--batch-size 256]
+[--paths hot,driver]``
 ``python -m dataferry.bench.cql_path --read-path [--frames 2000] [--repeats 3]``
 
 A throwaway Cassandra 1.2 (``_devcassandra``, protocol v1) holds ``--images``

@@ -165,9 +165,10 @@ class _Read:
 
 
 class HotReads:
-    """Sends single-row reads of prepared statements whose columns are read here (:func:`readable`) on ``session``'s
-    pools and queues each outcome with ``arrive((sink, key, rows, exc))`` (any thread): ``rows``, an
-    :class:`Again` for the driver's path, or the driver's ``OperationTimedOut`` after ``timeout``."""
+    """Sends single-row reads of prepared statements whose columns are read here (:func:`readable`)
+    on ``session``'s pools and queues each outcome with ``arrive((sink, key, rows, exc))`` (any
+    thread): ``rows``, an :class:`Again` for the driver's path, or the driver's
+    ``OperationTimedOut`` after ``timeout``."""
 
     def __init__(self, session, profile, timeout: float, loop, arrive) -> None:
         from cassandra.protocol import ResultMessage
