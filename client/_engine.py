@@ -665,6 +665,7 @@ class _Req:
     #: id -> its further positions, for an id that fills several (a padded plan); usually None
     extra: dict[int, tuple[int, ...]] | None = None
     count: int = 0  # positions it fills
+    timed_out: bool = False  # cancelled by the deadline sweep (Retry.timeout), not by a hedge
 
     def all_positions(self) -> Iterable[int]:
         """Every position this request fills."""
@@ -832,6 +833,9 @@ class Run:
         self._nreq = 0  # requests in flight that are not hedges
         self._nhedge = 0
         self._hedges: list[tuple[float, int, _Req]] = []  # heap of (deadline, seq, request) to hedge
+        #: (when it times out, request), in the order sent: one ``Retry.timeout`` for all, so the
+        #: oldest is first and one sweep (:meth:`_expire`) times them all out, no timer per request
+        self._deadlines: deque[tuple[float, _Req]] = deque()
         self._reserved = 0
         self._wake: asyncio.Future | None = None
         self._rand = random.Random(plan.seed * 1000003 + plan.epoch)
@@ -874,7 +878,7 @@ class Run:
                     break
                 now = loop.time()
                 self._held = None
-                wake_at = min(self._dispatch(now), self._maybe_hedge(now))
+                wake_at = min(self._dispatch(now), self._maybe_hedge(now), self._expire(now))
                 held, held_from = self._held, now
                 if not self._finished:
                     # sleep until an answer, a release or the next timer: O(1) per event, whatever the window
@@ -901,6 +905,7 @@ class Run:
                 await asyncio.gather(*(r.task for r in self._active), return_exceptions=True)
             self._active.clear()
             self._hedges.clear()
+            self._deadlines.clear()
             self._nreq = self._nhedge = 0
             self.c.inflight = 0
 
@@ -1086,6 +1091,7 @@ class Run:
         ep.reserved += reserved
         self.c.peak_bytes = max(self.c.peak_bytes, self._reserved + self.ready_bytes)
         self.link.sending(now)
+        self._deadlines.append((now + self.retry.timeout, req))
         req.task = asyncio.ensure_future(self._fetch(req))
         req.task.add_done_callback(lambda _, req=req: self._task_done(req))
         self._active.add(req)
@@ -1096,9 +1102,25 @@ class Run:
         return req
 
     async def _fetch(self, req: _Req) -> None:
-        async with asyncio.timeout(self.retry.timeout):
-            async for result in self.source.fetch(self.dataset, list(req.positions)):
-                self._on_result(req, result)
+        async for result in self.source.fetch(self.dataset, list(req.positions)):
+            self._on_result(req, result)
+
+    def _expire(self, now: float) -> float:
+        """Cancel the requests past ``Retry.timeout`` (their ``_on_done`` sees a timeout); return
+        when the next one times out (inf: none in flight)."""
+        deadlines = self._deadlines
+        while deadlines:
+            deadline, req = deadlines[0]
+            task = req.task
+            if req not in self._active or task.done() or task.cancelling():
+                deadlines.popleft()  # answered, or cancelled already (a hedge twin made it redundant)
+                continue
+            if deadline > now:
+                return deadline
+            deadlines.popleft()
+            req.timed_out = True
+            task.cancel()
+        return _INF
 
     # --- results -------------------------------------------------------------
     def _on_result(self, req: _Req, result) -> None:
@@ -1169,10 +1191,13 @@ class Run:
             else:
                 del cover[p]
         task = req.task
-        exc = None if task.cancelled() else task.exception()
+        if req.timed_out and task.cancelled():
+            exc = TimeoutError(f"a request of {req.count} ids had no answer in {self.retry.timeout:g} s")
+        else:
+            exc = None if task.cancelled() else task.exception()
         live = ep is self.current or ep is self.ahead
         missing = ep.uncovered(req.all_positions())
-        if task.cancelled():
+        if task.cancelled() and not req.timed_out:
             pass  # a hedge twin made it redundant, or the epoch was abandoned
         elif exc is None and not missing:
             lat = now - req.start

@@ -127,7 +127,9 @@ def test_the_start_up_window_grows_by_the_start_up_gain_per_round_trip():
     assert Counter(got) == Counter(range(6000))
     c = src.counts
     assert c[0] == 8, c
-    assert c[3] >= 0.75 * Link.STARTUP_GAIN ** 3 * c[0], c  # 2 per round trip would be 64
+    # 2 per round trip would be 64 (8 x 2^3); 2.89 gives 193, less what a busy machine moves from
+    # one round trip's count into the next (a request sent after the first answer of its round)
+    assert c[3] >= 2.5 ** 3 * c[0], c
 
 
 def test_after_the_start_up_a_bottlenecked_link_drains_to_its_bandwidth_delay_product():
@@ -208,3 +210,27 @@ def test_a_latency_tail_with_answers_at_the_floor_every_round_trip_is_not_taken_
     assert Counter(got) == Counter(range(n))
     cap = budget / (rs * size)
     assert src.peak >= 0.75 * cap and window >= 0.5 * cap, (src.peak, window, cap)
+
+
+
+def test_a_request_in_flight_costs_no_timer_of_its_own(monkeypatch):
+    # the request timeout (Retry.timeout) is one deadline sweep for every request in flight, not a
+    # timer per request (at 200 ms thousands are in flight: a timer set and cancelled per request
+    # is CPU on the engine's thread): count the per-request timeout contexts the engine opens
+    opened = []
+    real = asyncio.timeout
+
+    def counting(delay):
+        opened.append(delay)
+        return real(delay)
+
+    monkeypatch.setattr(asyncio, "timeout", counting)
+    requests, size = 64, 8
+    prefetch = Prefetch(request_size=size, initial_inflight=requests, max_inflight=requests)
+    src = MemorySource.synthetic("d", requests * size * 4, size=16, latency=0.01)
+    with Loader(src, "d", batch_size=64, prefetch=prefetch, hedge=NO_HEDGE) as loader:
+        got = [i for batch in loader for i in batch.ids.tolist()]
+        sent = loader.stats().requests
+    assert Counter(got) == Counter(range(requests * size * 4))
+    assert sent >= 4 * requests
+    assert len(opened) <= 2, (len(opened), sent)  # the catalog read's, not one per request
