@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import functools
 import os
+import select
+import socket
 import uuid
 
 import numpy as np
@@ -101,6 +104,20 @@ def _proxied(url: str, delay: float):
     with ProxyThread((host, int(port)), LinkOptions(delay=delay)) as proxy:
         yield f"cassandra://{proxy.address[0]}:{proxy.address[1]}/{url.rsplit('/', 1)[1]}"
 
+
+
+def _feed(conn, ours: socket.socket, theirs: socket.socket, data: bytes) -> None:
+    """Send ``data`` into ``theirs``, letting ``conn`` read ``ours`` whenever something is there to read."""
+    view = memoryview(data)
+    while True:
+        try:
+            view = view[theirs.send(view):]
+        except BlockingIOError:
+            pass
+        while select.select([ours], [], [], 0)[0]:
+            conn.handle_read(None, 0)
+        if not view:
+            return
 
 def test_before_the_first_read_no_keyspace_listing_and_only_the_read_path_prepared(dataset):
     url, name, data = dataset
@@ -371,8 +388,6 @@ def test_the_frame_reader_hands_over_every_frame_whole_however_the_bytes_arrive(
     times it) arrive byte-exact and in order, whether a read holds many frames, part of a
     header, or one byte; the buffer grows for a large frame and shrinks back once empty."""
     import random
-    import select
-    import socket
     import struct
 
     from dataferry.schema._cqlconnect import _READ_SIZE, open_cluster, shutdown
@@ -393,18 +408,7 @@ def test_the_frame_reader_hands_over_every_frame_whole_however_the_bytes_arrive(
         ours.setblocking(False)
         theirs.setblocking(False)
 
-        def feed(data: bytes) -> None:
-            """Send ``data``, reading on our side whenever something is there to read."""
-            view = memoryview(data)
-            while True:
-                try:
-                    view = view[theirs.send(view):]
-                except BlockingIOError:
-                    pass
-                while select.select([ours], [], [], 0)[0]:
-                    conn.handle_read(None, 0)
-                if not view:
-                    return
+        feed = functools.partial(_feed, conn, ours, theirs)
 
         original = conn._socket
         conn.process_msg = lambda frame, body: got.append((frame.stream, body))
@@ -437,8 +441,6 @@ def test_the_frame_reader_hands_a_hot_reads_body_in_place_and_the_rest_as_bytes(
     as a view of the connection's buffer, valid while ``process_msg`` runs; every other frame as
     bytes. Either way byte-exact and in order, however the bytes arrive."""
     import random
-    import select
-    import socket
     import struct
 
     from dataferry.schema._cqlconnect import _READ_SIZE, open_cluster, shutdown
@@ -465,16 +467,7 @@ def test_the_frame_reader_hands_a_hot_reads_body_in_place_and_the_rest_as_bytes(
         ours.setblocking(False)
         theirs.setblocking(False)
 
-        def feed(data: bytes) -> None:
-            """Send ``data``, reading on our side whenever something is there to read."""
-            view = memoryview(data)
-            while view:
-                try:
-                    view = view[theirs.send(view):]
-                except BlockingIOError:
-                    pass
-                while select.select([ours], [], [], 0)[0]:
-                    conn.handle_read(None, 0)
+        feed = functools.partial(_feed, conn, ours, theirs)
 
         original = conn._socket
         conn.process_msg = lambda frame, body: got.append((frame.stream - stream0, type(body), bytes(body)))
