@@ -240,8 +240,7 @@ class HttpSource:
         made = self._fetch_heads.get(dataset)
         if made is None:  # the request's head, but for its length, made once per dataset
             path = self._path(dataset, "samples")
-            head = f"POST {self._prefix}{path} HTTP/1.1\r\n{self._headers}Content-Type: {IDS_TYPE}\r\nContent-Length: "
-            made = self._fetch_heads[dataset] = (path, head.encode("latin-1"))
+            made = self._fetch_heads[dataset] = (path, self._head("POST", path, IDS_TYPE))
         path, head = made
         body = encode_ids(ids)
         request = b"%s%d\r\n\r\n%s" % (head, len(body), body)
@@ -330,11 +329,16 @@ class HttpSource:
     def _path(self, dataset: str, *rest: str) -> str:
         return "/".join(["/v1/datasets", *(quote(p, safe="") for p in (dataset, *rest))])
 
-    def _request(self, method: str, path: str, body: bytes = b"", ctype: str | None = None) -> bytes:
+    def _head(self, method: str, path: str, ctype: str | None = None) -> bytes:
+        """The request's head; with a body (of ``ctype``), up to its Content-Length's value."""
         head = f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._headers}"
         if ctype is not None:
-            head += f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-        return (head + "\r\n").encode("latin-1") + body
+            head += f"Content-Type: {ctype}\r\nContent-Length: "
+        return head.encode("latin-1")
+
+    def _request(self, method: str, path: str, body: bytes = b"", ctype: str | None = None) -> bytes:
+        head = self._head(method, path, ctype)
+        return head + b"\r\n" if ctype is None else b"%s%d\r\n\r\n%s" % (head, len(body), body)
 
     async def _read(self, method: str, path: str, ctype: str, what: str, *, json_body: bytes | None = None,
                     **names: str) -> bytes:
