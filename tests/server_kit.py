@@ -237,6 +237,14 @@ class RawHttpServer:
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         raise NotImplementedError
 
+    @staticmethod
+    async def read_request(reader: asyncio.StreamReader) -> bytes:
+        """The next request's head, its body (``Content-Length`` bytes) read and dropped."""
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = [int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")]
+        await reader.readexactly(length[0] if length else 0)
+        return head
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._tasks.add(asyncio.current_task())
         try:

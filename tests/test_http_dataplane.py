@@ -222,9 +222,7 @@ class Scripted(RawHttpServer):
     async def handle(self, reader, writer) -> None:
         self.connections += 1
         while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = [int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")]
-            await reader.readexactly(length[0] if length else 0)
+            await self.read_request(reader)
             reply = self.replies[min(self.requests, len(self.replies) - 1)]
             self.requests += 1
             if reply is None:

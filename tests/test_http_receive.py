@@ -36,9 +36,7 @@ class Whole(RawHttpServer):
 
     async def handle(self, reader, writer) -> None:
         while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = [int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")]
-            await reader.readexactly(length[0] if length else 0)
+            await self.read_request(reader)
             self.requests += 1
             if self.stall_from is not None and self.requests >= self.stall_from:
                 writer.write(self.reply[: self.reply.index(b"\r\n\r\n") + 5004])
