@@ -22,6 +22,7 @@ import urllib.request
 import numpy as np
 import pytest
 
+from dataferry.bench._common import stat_fields
 from dataferry.schema import open_store
 from dataferry.schema._errors import ConfigError
 from dataferry.schema._model import Sample
@@ -57,8 +58,7 @@ def mapped(pid: int | str, path: str) -> bool:
 
 
 def minor_faults(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as fh:
-        return int(fh.read().rsplit(")", 1)[1].split()[7])  # field 10: minflt
+    return int(stat_fields(f"/proc/{pid}/stat")[7])  # field 10: minflt
 
 
 @pytest.fixture
