@@ -7,10 +7,12 @@ they stay in. Each :class:`Connection` hands the event loop (uvloop or
 asyncio, plain TCP or TLS) the buffer to read into: inside a body, the free
 room of the decoder's arena region (:meth:`FrameDecoder.sink
 <dataferry.schema._wire.FrameDecoder.sink>`), limited to the current chunk,
-so one read carries many samples; otherwise a small bounce buffer, whose
-bytes are parsed in place (status line, headers, chunk size lines: 64-byte
-reads between chunks) and the few body bytes in it copied out. No
-per-sample task, future, buffer or bytes object is made on the way.
+so one read carries many samples, and a chunk's last bytes come with the
+CRLF and size line after it (up to ``FRAMING_READ`` bytes more, copied out);
+otherwise a small bounce buffer, whose bytes are parsed in place (status
+line, headers, and chunk framing a read ended inside of: ``FRAMING_READ``-byte
+reads) and the few body bytes in it copied out. No per-sample task, future,
+buffer or bytes object is made on the way.
 
 What it speaks: requests it writes itself (one at a time per connection, no
 pipelining), answers with ``Content-Length``, ``Transfer-Encoding: chunked``
