@@ -4,8 +4,8 @@ Each subcommand is two plain functions: ``configure(parser)`` declares its
 arguments (cheap: it runs for ``--help``) and ``run(args) -> int`` does the
 work, importing numpy, Pillow and the stores only then, so ``dataferry
 --help`` answers at once. :func:`command` registers a pair. Subcommands of
-other packages (``serve``, ``latency-proxy``; later ``bench``) are listed in
-``_MODULES`` and imported only when they are the command being run.
+other packages (``serve``, ``demo``, ``advise``, ``bench``, ``latency-proxy``)
+are listed in ``_MODULES`` and imported only when they are the command being run.
 
 Exit status: 0 on success; 1 when ingest rejected files (unless
 ``--allow-rejects``); 2 for usage, configuration and store errors, printed as
