@@ -50,22 +50,43 @@ def dataset(cassandra_url):
 
 
 @contextlib.contextmanager
-def sent_messages():
-    """Every message the driver sends while inside, in order."""
+def _recorded(*, answers: bool = False):
+    """``(connection id, message)`` for every message the driver sends while inside, in order; with
+    ``answers``, ``(connection id, None)`` too for every message it receives. The one recorder the
+    views below (:func:`sent_messages`, :func:`exchanges`, :func:`sent_in_order`) are made from."""
     from cassandra.connection import Connection
 
-    sent: list = []
-    original = Connection.send_msg
+    events: list = []
+    send, process = Connection.send_msg, Connection.process_msg
 
     def send_msg(self, msg, *args, **kwargs):
-        sent.append(msg)
-        return original(self, msg, *args, **kwargs)
+        events.append((id(self), msg))
+        return send(self, msg, *args, **kwargs)
+
+    def process_msg(self, *args, **kwargs):
+        events.append((id(self), None))
+        return process(self, *args, **kwargs)
 
     Connection.send_msg = send_msg
+    if answers:
+        Connection.process_msg = process_msg
     try:
-        yield sent
+        yield events
     finally:
-        Connection.send_msg = original
+        Connection.send_msg, Connection.process_msg = send, process
+
+
+def _kind(msg) -> str:
+    return type(msg).__name__.removesuffix("Message")
+
+
+@contextlib.contextmanager
+def sent_messages():
+    """Every message the driver sends while inside, in order (filled in on the way out)."""
+    sent: list = []
+    with _recorded() as events:
+        yield sent
+    sent.extend(msg for _, msg in events)
 
 
 def _is_sample_read(msg) -> bool:
@@ -257,33 +278,23 @@ def test_requests_the_driver_refuses_unsent_are_sent_again(dataset):
 @contextlib.contextmanager
 def exchanges():
     """Per connection, the driver's messages grouped into exchanges: a new group starts with a
-    message sent after an answer came back on that connection (each group costs a round trip)."""
-    from cassandra.connection import Connection
-
+    message sent after an answer came back on that connection (each group costs a round trip).
+    Filled in on the way out."""
     groups: dict[int, list[list[str]]] = {}
-    answered: set[int] = set()
-    send, process = Connection.send_msg, Connection.process_msg
-
-    def send_msg(self, msg, *args, **kwargs):
-        mine = groups.setdefault(id(self), [])
-        if not mine or id(self) in answered:
-            mine.append([])
-            answered.discard(id(self))
-        kind = type(msg).__name__.removesuffix("Message")
-        query = getattr(msg, "query", None)
-        mine[-1].append(f"{kind} {query.split(' FROM ')[1].split()[0]}" if isinstance(query, str) and " FROM " in query
-                        else kind)
-        return send(self, msg, *args, **kwargs)
-
-    def process_msg(self, *args, **kwargs):
-        answered.add(id(self))
-        return process(self, *args, **kwargs)
-
-    Connection.send_msg, Connection.process_msg = send_msg, process_msg
-    try:
+    with _recorded(answers=True) as events:
         yield groups
-    finally:
-        Connection.send_msg, Connection.process_msg = send, process
+    answered: set[int] = set()
+    for conn, msg in events:
+        if msg is None:
+            answered.add(conn)
+            continue
+        mine = groups.setdefault(conn, [])
+        if not mine or conn in answered:
+            mine.append([])
+            answered.discard(conn)
+        query = getattr(msg, "query", None)
+        mine[-1].append(f"{_kind(msg)} {query.split(' FROM ')[1].split()[0]}"
+                        if isinstance(query, str) and " FROM " in query else _kind(msg))
 
 
 @pytest.mark.skipif(not V1, reason="the URL names protocol v1 here (Cassandra 1.2)")
@@ -304,27 +315,13 @@ def test_a_named_protocol_version_sets_up_connections_in_the_fewest_exchanges(da
 @contextlib.contextmanager
 def sent_in_order(*, answers: bool = False):
     """``(connection id, message kind)`` of every message the driver sends while inside, in order;
-    with ``answers``, ``(connection id, "answer")`` too for every message it receives."""
-    from cassandra.connection import Connection
-
+    with ``answers``, ``(connection id, "answer")`` too for every message it receives. Filled in on
+    the way out."""
     sent: list[tuple[int, str]] = []
-    send, process = Connection.send_msg, Connection.process_msg
-
-    def send_msg(self, msg, *args, **kwargs):
-        sent.append((id(self), "Read" if _is_sample_read(msg) else type(msg).__name__.removesuffix("Message")))
-        return send(self, msg, *args, **kwargs)
-
-    def process_msg(self, *args, **kwargs):
-        sent.append((id(self), "answer"))
-        return process(self, *args, **kwargs)
-
-    Connection.send_msg = send_msg
-    if answers:
-        Connection.process_msg = process_msg
-    try:
+    with _recorded(answers=answers) as events:
         yield sent
-    finally:
-        Connection.send_msg, Connection.process_msg = send, process
+    sent.extend((conn, "answer" if msg is None else "Read" if _is_sample_read(msg) else _kind(msg))
+                for conn, msg in events)
 
 
 @pytest.mark.skipif(not V1, reason="pools of several connections are protocol v1/v2 only")
