@@ -162,13 +162,11 @@ class CassandraStore:
         self._ps = prepared
         self._preparing: dict[str, asyncio.Future] = {}  # statements being prepared on first use
         self._loop = asyncio.get_running_loop()
-        # v1/v2: no more in flight than the pool's connections carry (it grows in the background)
-        capacity = pool_capacity(cluster)
-        self._permits = opts.concurrency if capacity is None else max(1, min(opts.concurrency, capacity))
+        # v1/v2: no more in flight than the pool's connections carry (it grows in the background);
+        # one permit until open() widens it to what the pool carries (_widen)
+        self._permits = 1
         self._sem = asyncio.Semaphore(self._permits)
         self._grown = asyncio.Event()  # set once the pool carries ``concurrency``
-        if capacity is None or capacity >= opts.concurrency:
-            self._grown.set()
         self._inflight = 0
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
@@ -208,7 +206,7 @@ class CassandraStore:
             raise err from (None if err is failed else failed)
         store = cls(opts, url, cluster, session, dict(zip(_EAGER, prepared)))
         on_new_connection(cluster, store._widen_soon)
-        store._widen()  # connections that opened before the store listened
+        store._widen()  # what the pool carries now, connections that opened before the store listened included
         store._background = _quietly(asyncio.to_thread(cluster.refresh_keyspace_metadata, opts.keyspace))
         return store
 
