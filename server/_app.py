@@ -13,12 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from dataferry.schema import Store
+from dataferry.schema import Store, open_store
 from dataferry.schema._url import redact_url
 
 from ._gate import StoreGate
@@ -61,7 +60,7 @@ def _store_context(store: Store | str) -> Callable[[web.Application], AsyncItera
     async def store_lifetime(app: web.Application) -> AsyncIterator[None]:
         options = app[OPTIONS]
         if isinstance(store, str):
-            opened = await _open(store)
+            opened = await open_store(store, create=False, serving=True)
             log.info("opened store %s", redact_url(store))
         else:
             opened = store
@@ -75,25 +74,3 @@ def _store_context(store: Store | str) -> Callable[[web.Application], AsyncItera
                 log.info("closed store %s", redact_url(store))
 
     return store_lifetime
-
-
-#: ``PRAGMA mmap_size`` of a served SQLite file whose URL names none: all of it
-#: (SQLite caps this at its build's limit, 2 GiB by default)
-SERVED_MMAP_SIZE = 1 << 40
-
-
-async def _open(url: str) -> Store:
-    """The store at ``url``, opened read-only for serving. A SQLite file is read
-    through mmap unless the URL says ``mmap_size``: a blob's pages are read
-    where they lie in the OS page cache, not copied into SQLite's own cache by
-    read() first (``bench/results/cpu_per_sample.md``). The mapped pages count
-    in the server's RSS; they are the page cache's, shared and reclaimable."""
-    from dataferry.schema import open_store
-    from dataferry.schema._url import SqliteOptions, parse_store_url
-
-    opts = parse_store_url(url)
-    if isinstance(opts, SqliteOptions) and opts.mmap_size is None:
-        from dataferry.schema._sqlite import SqliteStore
-
-        return await SqliteStore.open(replace(opts, mmap_size=SERVED_MMAP_SIZE), url=url, create=False)
-    return await open_store(url, create=False)
