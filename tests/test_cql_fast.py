@@ -15,6 +15,7 @@ import pytest
 
 from dataferry.schema import Sample, SampleNotFound, StoreUnavailable, open_store, parse_store_url
 from dataferry.schema._cqlfast import _decoder, decode_rows, execute_message, readable
+from test_cassandra_store import records
 
 V = (1, 2, 3, 4, 5)
 TYPES = ("int", "blob", "blob")
@@ -193,23 +194,10 @@ def test_the_execute_a_hot_read_sends_at_each_version(version):
 
 
 # --- on a real server --------------------------------------------------------------------------
-def _records(dataset: str, n: int):
-    from dataferry.schema import SampleMeta, SampleRecord, sample_id
-
-    out = []
-    for k in range(n):
-        i = sample_id(dataset, f"{k}.png")
-        data = os.urandom(2000 + k)
-        target = None if k % 2 else os.urandom(17)
-        out.append(SampleRecord(Sample(i, k % 3, data, target),
-                                SampleMeta(i, k % 3, f"{k}.png", "PNG", 1, 1, len(data), "0" * 64, {})))
-    return out
-
-
 @pytest.mark.cassandra
 def test_fetch_reads_without_execute_async_and_byte_exact(cassandra_url):
     ds = f"hot_{uuid.uuid4().hex[:8]}"
-    recs = _records(ds, 60)
+    recs = records(ds, 60)
 
     async def go():
         async with await open_store(cassandra_url) as store:
@@ -238,7 +226,7 @@ def test_an_error_answer_goes_again_the_drivers_way_and_is_translated(cassandra_
     ks = f"rf3_{uuid.uuid4().hex[:8]}"
     url = f"cassandra://{host}:{port}/{ks}?replication=SimpleStrategy:3"
     asyncio.run(apply_schema(parse_store_url(url)))
-    recs = _records("d", 4)
+    recs = records("d", 4)
 
     async def go():
         async with await open_store(url) as store:
