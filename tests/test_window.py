@@ -11,60 +11,20 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import time
 from collections import Counter
 
 import numpy as np
 import pytest
 
 from faults import QueueingSource
+from window_kit import NO_HEDGE, Overhead, Recording, epochs, samples
 
-from dataferry.client import Hedge, Loader, MemorySource, Prefetch
+from dataferry.client import Loader, MemorySource, Prefetch
 from dataferry.client._engine import Link
-
-NO_HEDGE = Hedge(enabled=False)
-
-
-class Recording(MemorySource):
-    """Counts requests in flight (peak) and the sizes asked for."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.inflight = self.peak = 0
-        self.sizes: Counter[int] = Counter()
-        self.started_before_first_answer: int | None = None
-        self._started = 0
-
-    async def fetch(self, dataset, ids):
-        self.inflight += 1
-        self._started += 1
-        self.peak = max(self.peak, self.inflight)
-        self.sizes[len(ids)] += 1
-        try:
-            first = True
-            async for r in super().fetch(dataset, ids):
-                if first and self.started_before_first_answer is None:
-                    self.started_before_first_answer = self._started
-                first = False
-                yield r
-        finally:
-            self.inflight -= 1
 
 
 class Slots(QueueingSource, Recording):
     """A server that serves ``slots`` requests at once, ``service`` seconds each (more queue), recorded."""
-
-
-def samples(n: int, size: int):
-    return MemorySource.synthetic("d", n, size=size).samples.values()
-
-
-def epochs(loader, count: int) -> list[int]:
-    ids = []
-    for _ in range(count):
-        for batch in loader:
-            ids.extend(batch.ids.tolist())
-    return ids
 
 
 def test_the_window_grows_to_cover_the_bandwidth_delay_product():
@@ -130,21 +90,6 @@ def test_the_first_round_trip_carries_the_first_batch():
     # the first batch was asked for before any answer came back, in requests of batch/8 ids
     assert size == 32
     assert src.started_before_first_answer >= 256 // size
-
-
-class Overhead(Recording):
-    """Each request costs ``cpu`` seconds of the engine thread's CPU (a heavy request path)."""
-
-    def __init__(self, *a, cpu: float, **kw):
-        super().__init__(*a, **kw)
-        self.cpu = cpu
-
-    async def fetch(self, dataset, ids):
-        end = time.thread_time() + self.cpu
-        while time.thread_time() < end:
-            pass
-        async for r in super().fetch(dataset, ids):
-            yield r
 
 
 def test_the_request_size_grows_when_requests_cost_cpu_and_each_decision_is_logged(caplog):
