@@ -173,7 +173,6 @@ class HotReads:
     def __init__(self, session, profile, timeout: float, loop, arrive) -> None:
         from cassandra.protocol import ResultMessage
 
-        self._session = session
         self._pools = session._pools
         self._handler = session.client_protocol_handler
         self._policy = profile.load_balancing_policy
