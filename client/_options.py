@@ -54,11 +54,11 @@ class Prefetch:
       trips x the lowest recent request latency). It starts with enough
       requests to fill the first batch in one round trip, grows 2.89x per
       round trip (BBR's start-up gain) while the delivery rate keeps up, then
-      drains the queue that left at a bottleneck (BBR's drain), and
+      drains the queue the start-up left at a bottleneck (BBR's drain), and
       shrinks when answers queue at the bottleneck (latency above the lowest
-      by more than a few requests' worth, as TCP Vegas does, judged by the
-      lowest latency of the round trip so a tail of late answers is no queue;
-      with ``adaptive``) or a request fails;
+      by more than a few requests' worth, as TCP Vegas does, judged (tuned)
+      by the lowest latency of this round trip and the last, so a tail of
+      late answers is no queue; with ``adaptive``) or a request fails;
     * the request size: small at first (the first batch spread over several
       requests, for a short time to first batch), then doubled while a
       doubling cuts the engine's measured CPU per sample by more than 5%
