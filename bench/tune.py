@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.links.split(","):
         latency, rate, sizes, windows = LINKS[name]
         seconds = args.seconds * (4 if rate else 1)
-        source = make_source(args.images, args.size, latency, rate)
+        make = make_source(args.images, args.size, latency, rate)
         configs = {"defaults": Prefetch(tune=False), "tuned": Prefetch()}
         for r in sizes:
             for w in windows:
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         got: dict[str, list] = {k: [] for k in configs}
         for _ in range(args.runs):
             for key, prefetch in configs.items():
-                got[key].append(run_once(source, prefetch, seconds=seconds, batch_size=args.batch_size))
+                got[key].append(run_once(make, prefetch, seconds=seconds, batch_size=args.batch_size))
         rates = {k: statistics.median(r.samples_per_s for r in runs) for k, runs in got.items()}
         grid = {k: v for k, v in rates.items() if k.startswith("R=")}
         best = max(grid, key=grid.get)

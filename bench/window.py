@@ -93,8 +93,10 @@ class WindowRun:
 
 
 def make_source(images: int, size: int, latency: float, rate_mbit: float | None):
-    """``images`` samples of ``size`` random bytes, sharing at most 1,024 distinct payloads
-    (a large dataset without its memory)."""
+    """A maker of fresh sources: ``images`` samples of ``size`` random bytes, sharing at most
+    1,024 distinct payloads (a large dataset without its memory), made once. Each run gets
+    its own ``MemorySource``: a source's emulated link keeps the queue a run left on it
+    (``rate``), which would hold back the next run's start."""
     import numpy as np
 
     from dataferry.client import MemorySource
@@ -103,13 +105,15 @@ def make_source(images: int, size: int, latency: float, rate_mbit: float | None)
     rate = rate_mbit * 1e6 / 8 if rate_mbit else None
     rng = np.random.default_rng(0)
     blobs = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(min(images, 1024))]
-    samples = (Sample(i, i % 10, blobs[i % len(blobs)]) for i in range(images))
-    return MemorySource("bench", samples, latency=latency, rate=rate)
+    samples = [Sample(i, i % 10, blobs[i % len(blobs)]) for i in range(images)]
+    return lambda: MemorySource("bench", samples, latency=latency, rate=rate)
 
 
-def run_once(source, prefetch, *, seconds: float, batch_size: int = 256, max_samples: int | None = None) -> WindowRun:
-    """Iterate epochs of ``source`` through a Loader for about ``seconds``."""
+def run_once(make, prefetch, *, seconds: float, batch_size: int = 256, max_samples: int | None = None) -> WindowRun:
+    """Iterate epochs of a fresh source from ``make`` (:func:`make_source`) through a Loader for about ``seconds``."""
     from dataferry.client import Hedge, Loader
+
+    source = make()  # before the clock: the source's own set-up is not the loader's
 
     cpu0 = os.times()
     t0 = time.perf_counter()
@@ -222,10 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"window: {args.images} samples of {args.size} B, batch {args.batch_size}, {args.runs} runs of "
           f"{args.seconds:g} s, rate {args.rate or 'unlimited'} Mbit/s, {prefetch}")
     results: dict[float, list[WindowRun]] = {lat: [] for lat in latencies}
-    sources = {lat: make_source(args.images, args.size, lat, args.rate) for lat in latencies}
+    makers = {lat: make_source(args.images, args.size, lat, args.rate) for lat in latencies}
     for _ in range(args.runs):  # interleaved, so drift on a shared machine hits every latency alike
         for lat in latencies:
-            results[lat].append(run_once(sources[lat], prefetch, seconds=args.seconds, batch_size=args.batch_size))
+            results[lat].append(run_once(makers[lat], prefetch, seconds=args.seconds, batch_size=args.batch_size))
     base = None
     steady_base = statistics.median(r.steady_per_s for r in results[latencies[0]]) or 1.0
     rows, traces = [], []
