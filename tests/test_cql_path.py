@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import functools
 import os
 import select
 import socket
@@ -127,18 +126,54 @@ def _proxied(url: str, delay: float):
 
 
 
-def _feed(conn, ours: socket.socket, theirs: socket.socket, data: bytes) -> None:
-    """Send ``data`` into ``theirs``, letting ``conn`` read ``ours`` whenever something is there to read."""
-    view = memoryview(data)
-    while True:
+@contextlib.contextmanager
+def _fed_pool_connection(dataset, got: list, hand_over):
+    """A pool connection of a fresh cluster whose socket is one end of a socket pair:
+    yields ``(conn, header, feed)``, where ``header`` packs a frame header of the
+    connection's protocol version and ``feed(data)`` sends ``data`` into the pair, letting the
+    connection read whenever something is there; each frame it reads goes to
+    ``got.append(hand_over(frame, body))``. Skipped on v5 (frames in segments: the driver's
+    own reader)."""
+    import struct
+
+    from dataferry.schema._cqlconnect import open_cluster, shutdown
+
+    url, _, _ = dataset
+    cluster, session, _ = open_cluster(parse_store_url(_url(url)))  # the session holds the pool
+    try:
+        conn = next(c for c in list(cluster.connection_class.opened) if not (c.is_control_connection or c.is_closed))
+        if conn.protocol_version >= 5:
+            pytest.skip("v5 frames come in segments: the driver's own reader")
+        header = struct.Struct(">BBhBi" if conn.protocol_version >= 3 else ">BBbBi")
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        theirs.setblocking(False)
+
+        def feed(data: bytes) -> None:
+            view = memoryview(data)
+            while True:
+                try:
+                    view = view[theirs.send(view):]
+                except BlockingIOError:
+                    pass
+                while select.select([ours], [], [], 0)[0]:
+                    conn.handle_read(None, 0)
+                if not view:
+                    return
+
+        original = conn._socket
+        conn.process_msg = lambda frame, body: got.append(hand_over(frame, body))
+        conn._socket = ours
         try:
-            view = view[theirs.send(view):]
-        except BlockingIOError:
-            pass
-        while select.select([ours], [], [], 0)[0]:
-            conn.handle_read(None, 0)
-        if not view:
-            return
+            yield conn, header, feed
+        finally:
+            conn._socket = original
+            del conn.process_msg
+            ours.close()
+            theirs.close()
+    finally:
+        shutdown(cluster)
+
 
 def test_before_the_first_read_no_keyspace_listing_and_only_the_read_path_prepared(dataset):
     url, name, data = dataset
@@ -385,52 +420,28 @@ def test_the_frame_reader_hands_over_every_frame_whole_however_the_bytes_arrive(
     times it) arrive byte-exact and in order, whether a read holds many frames, part of a
     header, or one byte; the buffer grows for a large frame and shrinks back once empty."""
     import random
-    import struct
 
-    from dataferry.schema._cqlconnect import _READ_SIZE, open_cluster, shutdown
+    from dataferry.schema._cqlconnect import _READ_SIZE
 
-    url, _, _ = dataset
-    cluster, session, _ = open_cluster(parse_store_url(_url(url)))  # the session holds the pool
-    try:
-        conn = next(c for c in list(cluster.connection_class.opened) if not (c.is_control_connection or c.is_closed))
-        if conn.protocol_version >= 5:
-            pytest.skip("v5 frames come in segments: the driver's own reader")
-        header = struct.Struct(">BBhBi" if conn.protocol_version >= 3 else ">BBbBi")
+    got: list[tuple[int, bytes]] = []
+    with _fed_pool_connection(dataset, got, lambda frame, body: (frame.stream, body)) as (conn, header, feed):
         rng = random.Random(5)
         sizes = [0, 1, 7, 8, 9, _READ_SIZE - 9, _READ_SIZE, 4 * _READ_SIZE + 3, 5, 100_000, 110_003, 3]
         bodies = [rng.randbytes(n) for n in sizes]
         wire = b"".join(header.pack(0x80 | conn.protocol_version, 0, i, 0x08, len(b)) + b for i, b in enumerate(bodies))
-        got: list[tuple[int, bytes]] = []
-        ours, theirs = socket.socketpair()
-        ours.setblocking(False)
-        theirs.setblocking(False)
-
-        feed = functools.partial(_feed, conn, ours, theirs)
-
-        original = conn._socket
-        conn.process_msg = lambda frame, body: got.append((frame.stream, body))
-        conn._socket = ours
-        try:
-            for chunking in ("all", "random", "bytes"):
-                got.clear()
-                pos = 0
-                while pos < len(wire):
-                    step = {"all": len(wire), "random": rng.choice((1, 3, 9, 4096, 70_000, 300_000)), "bytes": 1}[chunking]
-                    if chunking == "bytes" and 40 < pos < len(wire) - 400:
-                        step = rng.choice((1, 2, 5000))  # a byte at a time around the small frames and the end
-                    feed(wire[pos:pos + step])
-                    pos += step
-                assert [s for s, _ in got] == list(range(len(bodies))), chunking
-                assert all(body == bodies[s] for s, body in got), chunking
-                # empty, at the front, and no larger than 4 reads (it held a frame of 4 reads and more)
-                assert len(conn._frames[0]) <= 4 * _READ_SIZE and conn._frames[1] == conn._frames[2] == 0, chunking
-        finally:
-            conn._socket = original
-            del conn.process_msg
-            ours.close()
-            theirs.close()
-    finally:
-        shutdown(cluster)
+        for chunking in ("all", "random", "bytes"):
+            got.clear()
+            pos = 0
+            while pos < len(wire):
+                step = {"all": len(wire), "random": rng.choice((1, 3, 9, 4096, 70_000, 300_000)), "bytes": 1}[chunking]
+                if chunking == "bytes" and 40 < pos < len(wire) - 400:
+                    step = rng.choice((1, 2, 5000))  # a byte at a time around the small frames and the end
+                feed(wire[pos:pos + step])
+                pos += step
+            assert [s for s, _ in got] == list(range(len(bodies))), chunking
+            assert all(body == bodies[s] for s, body in got), chunking
+            # empty, at the front, and no larger than 4 reads (it held a frame of 4 reads and more)
+            assert len(conn._frames[0]) <= 4 * _READ_SIZE and conn._frames[1] == conn._frames[2] == 0, chunking
 
 
 def test_the_frame_reader_hands_a_hot_reads_body_in_place_and_the_rest_as_bytes(dataset):
@@ -438,61 +449,38 @@ def test_the_frame_reader_hands_a_hot_reads_body_in_place_and_the_rest_as_bytes(
     as a view of the connection's buffer, valid while ``process_msg`` runs; every other frame as
     bytes. Either way byte-exact and in order, however the bytes arrive."""
     import random
-    import struct
 
-    from dataferry.schema._cqlconnect import _READ_SIZE, open_cluster, shutdown
+    from dataferry.schema._cqlconnect import _READ_SIZE
 
     def in_place():
         pass
 
     in_place.reads_views = True
-    url, _, _ = dataset
-    cluster, session, _ = open_cluster(parse_store_url(_url(url)))  # the session holds the pool
-    try:
-        conn = next(c for c in list(cluster.connection_class.opened) if not (c.is_control_connection or c.is_closed))
-        if conn.protocol_version >= 5:
-            pytest.skip("v5 frames come in segments: the driver's own reader")
-        header = struct.Struct(">BBhBi" if conn.protocol_version >= 3 else ">BBbBi")
+    stream0 = 100  # stream ids no request of the pool holds now
+    got: list[tuple[int, type, bytes]] = []
+    with _fed_pool_connection(dataset, got, lambda frame, body: (frame.stream - stream0, type(body), bytes(body))) \
+            as (conn, header, feed):
         rng = random.Random(11)
         sizes = [0, 9, 110_003, 3, _READ_SIZE, 100_000, 2 * _READ_SIZE + 1, 40]
         bodies = [rng.randbytes(n) for n in sizes]
-        stream0 = 100  # stream ids no request of the pool holds now
         wire = b"".join(header.pack(0x80 | conn.protocol_version, 0, stream0 + i, 0x08, len(b)) + b
                         for i, b in enumerate(bodies))
-        got: list[tuple[int, type, bytes]] = []
-        ours, theirs = socket.socketpair()
-        ours.setblocking(False)
-        theirs.setblocking(False)
-
-        feed = functools.partial(_feed, conn, ours, theirs)
-
-        original = conn._socket
-        conn.process_msg = lambda frame, body: got.append((frame.stream - stream0, type(body), bytes(body)))
-        conn._socket = ours
         hot = [i for i in range(len(bodies)) if i % 2]
-        try:
-            for chunking in ("all", "random"):
-                got.clear()
-                for i in hot:
-                    conn._requests[stream0 + i] = (lambda answer: None, in_place, None)
-                pos = 0
-                while pos < len(wire):
-                    step = len(wire) if chunking == "all" else rng.choice((1, 9, 4096, 70_000, 300_000))
-                    feed(wire[pos:pos + step])
-                    pos += step
-                for i in hot:
-                    del conn._requests[stream0 + i]
-                assert [s for s, _, _ in got] == list(range(len(bodies))), chunking
-                assert [t is memoryview for _, t, _ in got] == [i in hot for i in range(len(bodies))], chunking
-                assert all(body == bodies[s] for s, _, body in got), chunking
-                assert conn._frames[1] == conn._frames[2] == 0, chunking
-        finally:
-            conn._socket = original
-            del conn.process_msg
-            ours.close()
-            theirs.close()
-    finally:
-        shutdown(cluster)
+        for chunking in ("all", "random"):
+            got.clear()
+            for i in hot:
+                conn._requests[stream0 + i] = (lambda answer: None, in_place, None)
+            pos = 0
+            while pos < len(wire):
+                step = len(wire) if chunking == "all" else rng.choice((1, 9, 4096, 70_000, 300_000))
+                feed(wire[pos:pos + step])
+                pos += step
+            for i in hot:
+                del conn._requests[stream0 + i]
+            assert [s for s, _, _ in got] == list(range(len(bodies))), chunking
+            assert [t is memoryview for _, t, _ in got] == [i in hot for i in range(len(bodies))], chunking
+            assert all(body == bodies[s] for s, _, body in got), chunking
+            assert conn._frames[1] == conn._frames[2] == 0, chunking
 
 
 def test_the_bench_measures_either_read_path(dataset, monkeypatch):
