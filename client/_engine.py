@@ -381,7 +381,13 @@ class Link:
         cap = self._cap()
         if not self.tuned or self.bandwidth is None or self.min_latency is None:
             return cap
-        bdp = self.bandwidth * self.min_latency / (self.request_size * self.mean_bytes)
+        rtt = self.min_latency
+        if not self.filled and self.min_first is not None:
+            # the start-up's requests share the link, so each one's whole latency is the flight's
+            # transfer, not its own: a request occupies its slot for the round trip and its own
+            # transfer (BBR's min_rtt is a packet's, not the flight's); the gain over that
+            rtt = min(rtt, self.min_first + self.request_size * self.mean_bytes / self.bandwidth)
+        bdp = self.bandwidth * rtt / (self.request_size * self.mean_bytes)
         gain = self.GAIN if self.filled else self.STARTUP_GAIN
         return max(float(self.MIN_WINDOW), min(cap, gain * bdp))
 
