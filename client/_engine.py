@@ -382,7 +382,7 @@ class Link:
         if not self.tuned or self.bandwidth is None or self.min_latency is None:
             return cap
         rtt = self.min_latency
-        if not self.filled and self.min_first is not None:
+        if not self.filled and self.min_first is not None and self.bandwidth > 0:
             # the start-up's requests share the link, so each one's whole latency is the flight's
             # transfer, not its own: a request occupies its slot for the round trip and its own
             # transfer (BBR's min_rtt is a packet's, not the flight's); the gain over that

@@ -224,3 +224,16 @@ def test_an_id_listed_twice_fills_both_positions_exactly_once_each():
     with Loader(src, "d", batch_size=32, prefetch=Prefetch(request_size=64), hedge=NO_HEDGE) as loader:
         got = epochs(loader, 2)
     assert Counter(got) == Counter({i: 4 for i in range(300)})
+
+
+def test_the_start_up_target_survives_a_zero_delivery_rate():
+    # a rate sample of nothing answered over the round trip (a killed or stalled source) is 0 B/s:
+    # the start-up's round trip (the first answer plus a request's own transfer) must not divide by it
+    link = Link(Prefetch(request_size=8, sample_bytes_hint=1000), NO_HEDGE)
+    link.start(64, None)
+    link.bandwidth, link.min_latency, link.min_first = 0.0, 0.15, 0.1
+    assert link.target() == Link.MIN_WINDOW
+    # 2 MB/s: a request alone takes 100 + 4 ms (the whole latency, 150 ms, is the flight's);
+    # 2.89 x 26 requests of 8 kB
+    link.bandwidth = 2e6
+    assert link.target() == pytest.approx(Link.STARTUP_GAIN * 2e6 * 0.104 / 8000)
