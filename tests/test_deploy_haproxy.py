@@ -76,6 +76,10 @@ def _loopback_config(ports: dict[str, int]) -> str:
         (" inter 2s fall 3 rise 2 ", " inter 100ms fall 2 rise 1 "),
         (" resolvers docker init-addr last,libc,none", ""),
         ("    maxconn 20000\n", "    maxconn 1000\n"),  # 2 fds a connection: within a test's ulimit
+        # a check's own timeout is ``inter`` unless set: 100 ms, two of which a replica on a busy
+        # 2-core machine may miss (once in a full run, server-1 served nothing of an epoch:
+        # the likely cause, not confirmed; the assertion below now prints haproxy's view)
+        ("    timeout queue 30s\n", "    timeout queue 30s\n    timeout check 2s\n"),
     ]
     for old, new in swaps:
         assert text.count(old) == 1, f"haproxy.cfg changed: update this test's rewrite of {old!r}"
@@ -179,7 +183,11 @@ def test_haproxy_streams_from_both_replicas_and_fails_over(tmp_path):
             status, text = _get(f"http://127.0.0.1:{ports[name]}/metrics", token)
             assert status == 200
             served[name] = float(re.search(r"^dataferry_server_samples_served_total (\S+)$", text, re.M).group(1))
-        assert all(v > 0 for v in served.values()), served
+        if not all(v > 0 for v in served.values()):
+            head, *rows = _get(f"{monitor}/stats;csv")[1].splitlines()
+            cols = [head.lstrip("# ").split(",").index(c) for c in ("svname", "status", "chkfail", "chkdown", "lbtot")]
+            stats = [" ".join(r.split(",")[i] for i in cols) for r in rows if r.startswith("dataferry,")]
+            pytest.fail(f"a replica served nothing: {served}; haproxy: {stats}; log: {log.read_text()[-1500:]}")
         assert sum(served.values()) >= len(samples)  # (the loader prefetches the next epoch, too)
         assert _get(f"{lb}/v1/datasets")[0] == 401  # no token, no data
 
