@@ -251,7 +251,9 @@ class Link:
     follows the window, so the target stays ahead of it and the window keeps
     growing by ``STARTUP_GAIN`` per round trip (``STARTUP_GAIN - 1`` requests
     per answer) until the rate levels off, then by one per answer; at the
-    bottleneck the rate levels off and so does the window. The start-up
+    bottleneck the rate levels off and so does the window (until then the
+    product's round trip is a request alone, ``min_first`` plus its own
+    transfer: the start-up's requests share the link). The start-up
     overshoots a bottleneck: the queue it leaves is drained (BBR's drain) when
     requests shrink for a slow link (the window down to what the link holds,
     the latency floor to a request alone) and, once the rate levels off, by a
