@@ -251,9 +251,7 @@ class Link:
     follows the window, so the target stays ahead of it and the window keeps
     growing by ``STARTUP_GAIN`` per round trip (``STARTUP_GAIN - 1`` requests
     per answer) until the rate levels off, then by one per answer; at the
-    bottleneck the rate levels off and so does the window (until then the
-    product's round trip is a request alone, ``min_first`` plus its own
-    transfer: the start-up's requests share the link). The start-up
+    bottleneck the rate levels off and so does the window. The start-up
     overshoots a bottleneck: the queue it leaves is drained (BBR's drain) when
     requests shrink for a slow link (the window down to what the link holds,
     the latency floor to a request alone) and, once the rate levels off, by a
@@ -383,13 +381,7 @@ class Link:
         cap = self._cap()
         if not self.tuned or self.bandwidth is None or self.min_latency is None:
             return cap
-        rtt = self.min_latency
-        if not self.filled and self.min_first is not None and self.bandwidth > 0:
-            # the start-up's requests share the link, so each one's whole latency is the flight's
-            # transfer, not its own: a request occupies its slot for the round trip and its own
-            # transfer (BBR's min_rtt is a packet's, not the flight's); the gain over that
-            rtt = min(rtt, self.min_first + self.request_size * self.mean_bytes / self.bandwidth)
-        bdp = self.bandwidth * rtt / (self.request_size * self.mean_bytes)
+        bdp = self.bandwidth * self.min_latency / (self.request_size * self.mean_bytes)
         gain = self.GAIN if self.filled else self.STARTUP_GAIN
         return max(float(self.MIN_WINDOW), min(cap, gain * bdp))
 
