@@ -227,4 +227,3 @@ def test_an_id_listed_twice_fills_both_positions_exactly_once_each():
     with Loader(src, "d", batch_size=32, prefetch=Prefetch(request_size=64), hedge=NO_HEDGE) as loader:
         got = epochs(loader, 2)
     assert Counter(got) == Counter({i: 4 for i in range(300)})
-

@@ -98,14 +98,14 @@ def test_the_start_up_window_grows_by_the_start_up_gain_per_round_trip():
     # 250 ms and no bottleneck: the window starts at 8 requests (a batch of 64 in requests of 8)
     # and grows by BBR's start-up gain (2.89) per round trip, not 2: 8, 23, 67, 193 requests.
     # A round trip is counted by answers, so a stall of the engine's thread as long as the round
-    # trip moves requests into the next count: the round trip is long (at 100 ms, once in a full run, a
-    # stall counted 39 requests in round 2), and the suite's garbage is collected first (a full
-    # collection of it is such a stall)
+    # trip moves requests into the next count: the round trip is long (at 100 ms, once in a full
+    # run, a stall counted 39 requests in round 2), and the suite's garbage is collected first (a
+    # full collection of it is such a stall)
     gc.collect()
     src = Generations("d", samples(6000, 1024), latency=0.25)
     prefetch = Prefetch(request_size=8, max_bytes=64 << 20, sample_bytes_hint=1024)
     with Loader(src, "d", batch_size=64, prefetch=prefetch, hedge=NO_HEDGE) as loader:
-        got = [i for batch in loader for i in batch.ids.tolist()]
+        got = epochs_of(loader, 1)
     assert Counter(got) == Counter(range(6000))
     c = src.counts
     assert c[0] == 8, c
@@ -123,7 +123,7 @@ def test_after_the_start_up_a_bottlenecked_link_drains_to_its_bandwidth_delay_pr
     n, size, rate, rtt = 1400, 20_000, 4e6, 0.1
     src = Generations("d", samples(n, size), latency=rtt, rate=rate)
     with Loader(src, "d", batch_size=64, hedge=NO_HEDGE) as loader:
-        got = [i for batch in loader for i in batch.ids.tolist()]
+        got = epochs_of(loader, 1)
         ids = loader._link.request_size
     assert Counter(got) == Counter(range(n))
     bdp = rate * rtt / size  # samples
@@ -187,7 +187,7 @@ def test_a_latency_tail_with_answers_at_the_floor_every_round_trip_is_not_taken_
     src = Tail("d", samples(n, size), latency=0.05, extra=0.07, every=5)
     prefetch = Prefetch(request_size=rs, max_bytes=budget, sample_bytes_hint=size)
     with Loader(src, "d", batch_size=64, prefetch=prefetch, hedge=NO_HEDGE) as loader:
-        got = [i for batch in loader for i in batch.ids.tolist()]
+        got = epochs_of(loader, 1)
         window = loader._link.window
     assert Counter(got) == Counter(range(n))
     cap = budget / (rs * size)
@@ -211,7 +211,7 @@ def test_a_request_in_flight_costs_no_timer_of_its_own(monkeypatch):
     prefetch = Prefetch(request_size=size, initial_inflight=requests, max_inflight=requests)
     src = MemorySource.synthetic("d", requests * size * 4, size=16, latency=0.01)
     with Loader(src, "d", batch_size=64, prefetch=prefetch, hedge=NO_HEDGE) as loader:
-        got = [i for batch in loader for i in batch.ids.tolist()]
+        got = epochs_of(loader, 1)
         sent = loader.stats().requests
     assert Counter(got) == Counter(range(requests * size * 4))
     assert sent >= 4 * requests
