@@ -271,6 +271,8 @@ class HttpSource:
                         await conn.wait()
         except WireFormatError as exc:
             raise StoreError(f"{self.url}: corrupt response to {what}: {exc}") from exc
+        except DataferryError:
+            raise  # translated already (a StoreTimeout is a TimeoutError too)
         except _TRANSPORT_ERRORS as exc:
             raise self._translate(exc, f"{what} (after {answered} answers)") from exc
 
@@ -351,6 +353,8 @@ class HttpSource:
             async with self._open_pool().exchange(request, ctype, collector()) as conn:
                 await self._check_response(conn, method, path, ctype, what, **names)
                 return await read_body(conn)
+        except DataferryError:
+            raise  # translated already (a StoreTimeout is a TimeoutError too)
         except _TRANSPORT_ERRORS as exc:
             raise self._translate(exc, what) from exc
 

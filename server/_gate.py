@@ -59,7 +59,11 @@ class StoreGate:
     def failed(self, op: str, exc: BaseException) -> None:
         kind = "timeout" if isinstance(exc, TimeoutError) else "unavailable"
         self.metrics.store_errors.labels(kind=kind).inc()
-        log.warning("store %s: %s failed: %s", self.where, op, exc)
+        text = str(exc)
+        if text.startswith(f"store {self.where}"):  # named the store already (a timeout of ours)
+            log.warning("%s failed: %s", op, text)
+        else:
+            log.warning("store %s: %s failed: %s", self.where, op, text)
 
     async def require_dataset(self, name: str) -> None:
         """Return if ``name`` exists; raise DatasetNotFound (or a store error)."""

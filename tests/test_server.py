@@ -261,6 +261,43 @@ def test_store_failure_before_and_during_the_stream(tmp_path):
     run(go())
 
 
+def test_a_store_timeout_is_said_once_by_the_client_and_the_server_log(tmp_path, caplog):
+    """A store timeout is a TimeoutError: the client's translation of transport
+    errors must not wrap its own StoreTimeout again, and the server's log line
+    names the store once."""
+    samples = make_samples(20)
+
+    def once(text: str, part: str) -> None:
+        assert text.count(part) == 1, f"{part!r} said {text.count(part)} times in: {text}"
+
+    async def go():
+        async with await open_store(f"sqlite://{tmp_path / 's.db'}") as store:
+            await seed(store, "d", samples)
+            ids = [x.id for x in samples]
+            opts = ServerOptions(store_timeout=0.2)
+            where = store.url
+            for hang_after, catalog in ((3, None), (0, "hang")):
+                broken = BrokenStore(store, hang_after=hang_after, catalog=catalog)
+                async with serve(make_app(broken, opts)) as base:
+                    async with await HttpSource.open(base) as src:
+                        with pytest.raises(StoreTimeout) as got:
+                            [r async for r in src.fetch("d", ids)]
+                        text = str(got.value)
+                        once(text, base)
+                        once(text, "within 0.2 s")
+                        if catalog:
+                            with pytest.raises(StoreTimeout) as got:
+                                await src.list_datasets()
+                            once(str(got.value), base)
+            logged = [r.getMessage() for r in caplog.records if "within 0.2 s" in r.getMessage()]
+            assert logged
+            for line in logged:
+                once(line, where)
+
+    with caplog.at_level("WARNING"):
+        run(go())
+
+
 def test_slow_client_pauses_the_store(tmp_path):
     """Backpressure: a client that does not read stops the store's iteration."""
     big = make_samples(120, size=256 << 10)
