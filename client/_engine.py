@@ -695,7 +695,8 @@ class _Epoch:
         self.retries: list[tuple[float, int, list[int], int]] = []  # heap of (due, seq, positions, attempt)
         self.active = 0  # requests in flight for this epoch
         self.reserved = 0  # bytes reserved for this epoch's requests in flight
-        self.batch: list[tuple[int, Sample]] = []
+        self.batch: list[Sample] = []  # the batch being filled, and its samples' positions beside it
+        self.batch_pos: list[int] = []  # (two lists, not a tuple per sample: a tuple is one more object for the GC)
         self.held: dict[int, Sample | None] = {}  # in-order mode: arrived, not yet released
         self.release = self.completed.frontier  # in-order: next position to release
         self.done_before = set(self.completed.beyond())  # delivered before a resume
@@ -730,7 +731,8 @@ class _Epoch:
                 self.skipped.append(pos)
                 return
             batch = self.batch
-            batch.append((pos, sample))
+            batch.append(sample)
+            self.batch_pos.append(pos)
             if len(batch) >= self.batch_size:
                 self._flush()
             return
@@ -746,13 +748,13 @@ class _Epoch:
         if sample is None:
             self.skipped.append(pos)
             return
-        self.batch.append((pos, sample))
+        self.batch.append(sample)
+        self.batch_pos.append(pos)
         if len(self.batch) >= self.batch_size:
             self._flush()
 
     def _flush(self) -> None:
-        items, self.batch = self.batch, []
-        positions, samples = zip(*items)
+        samples, positions, self.batch, self.batch_pos = self.batch, self.batch_pos, [], []
         datas = [s.data for s in samples]
         targets = [s.target for s in samples]
         frombuffer, u8 = np.frombuffer, np.uint8
@@ -774,10 +776,10 @@ class _Epoch:
         nbytes = 0
         if self.batch:
             if drop_last:
-                dropped = [p for p, _ in self.batch]
-                nbytes = sum(len(s.data) for _, s in self.batch)
+                dropped = self.batch_pos
+                nbytes = sum(len(s.data) for s in self.batch)
                 self.pending_bytes -= nbytes
-                self.batch = []
+                self.batch, self.batch_pos = [], []
             else:
                 self._flush()
         end = EndOfEpoch(self.plan.epoch, tuple(self.skipped) + tuple(dropped))
