@@ -75,6 +75,18 @@ _INF = float("inf")
 RETRYABLE = (StoreError, OSError, TimeoutError, asyncio.TimeoutError, EOFError)
 
 
+def quantile(xs: Iterable[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (not empty), interpolated linearly between
+    the closest ranks (numpy's default). A sort of a few hundred floats: in the
+    engine's thread, among the samples' bytes, ``np.percentile`` cost 150-250 us
+    a call, 0.8 us per sample at 8 answers a call."""
+    s = sorted(xs)
+    at = (len(s) - 1) * q
+    lo = int(at)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (at - lo)
+
+
 class SampleFailed(DataferryError):
     """A sample could not be delivered (unknown id, or its retry deadline passed)."""
 
@@ -1212,7 +1224,7 @@ class Run:
             c.latency_sum += lat
             c.min_latency = self.link.min_latency
             if full and len(self.link.latencies) >= 8 and c.answers % 8 == 0 and self.hedge.enabled:
-                p95 = float(np.percentile(np.fromiter(self.link.latencies, float), 95))
+                p95 = quantile(self.link.latencies, 0.95)
                 self.link.hedge_after = max(self.hedge.min_delay, self.hedge.factor * p95)
         else:
             if exc is not None and not isinstance(exc, RETRYABLE):

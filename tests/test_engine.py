@@ -411,3 +411,17 @@ def test_stats_are_logged_every_interval(caplog):
     assert stats.samples == 400 and stats.batches == 20 and stats.samples_per_s > 0
     with pytest.raises(ConfigError):
         Loader(src, "d", log_interval=0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 13, 256])
+def test_the_hedges_quantile_is_numpys_default_percentile(n):
+    """The hedge's p95 is computed without numpy (a sort): it must be the
+    same number ``np.percentile`` gives, linear interpolation included."""
+    from dataferry.client._engine import quantile
+
+    rng = np.random.default_rng(n)
+    for _ in range(20):
+        xs = list(rng.lognormal(-2.0, 1.0, size=n))
+        for q in (0.0, 0.5, 0.95, 1.0):
+            assert quantile(xs, q) == pytest.approx(float(np.percentile(xs, q * 100)), rel=1e-12, abs=1e-15)
+    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
