@@ -1,7 +1,8 @@
 """The engine's window against the link, without sockets.
 
 ``python -m dataferry.bench.window [--latencies 0,100,200] [--images 65536] [--size 110000]
-[--seconds 6] [--runs 3] [--rate MBIT] [--max-bytes N] [--request-size N] [--max-inflight N] [--no-tune]``
+[--seconds 6] [--runs 3] [--rate MBIT] [--max-bytes N] [--request-size N] [--max-inflight N] [--no-tune]
+[--step-ms MS]``
 ``python -m dataferry.bench.window --http-first-batch 100 [--runs 5] [--store-images 1024]``
 
 The real engine (:class:`~dataferry.client.Loader`) reads a
@@ -27,7 +28,18 @@ sockets, no server. Per latency, medians of ``--runs``:
   its window (``w``) or its byte budget (``b``) was full;
 * ``window``: requests allowed in flight at the end, and ``ids/req`` the
   request size then; then the window over time of the median run (requests,
-  at 0.05 s, 0.1 s, 0.2 s, 0.4 s, ...).
+  at 0.05 s, 0.1 s, 0.2 s, 0.4 s, ...);
+* ``loop waited``: the share of the run the consuming loop waited for a batch
+  (the Loader's ``Stats.wait`` over the run's time).
+
+Without ``--step-ms`` the consumer takes batches as fast as the engine makes
+them, so the rows measure the engine's ceiling, which grows with this machine's
+speed. ``--step-ms MS`` makes it a training loop instead: after each batch it
+sleeps MS (a step on an accelerator holds no CPU), so it can take at most
+``batch / MS`` samples/s; the question is then whether the window keeps that
+loop fed across the latency, and ``loop waited`` answers it (0.00: the
+accelerator never waited once the first batch came). ``--step-ms 10.24`` at
+batch 256 is 25,000 samples/s, above the 22-24k images/s DALI decodes on an H100.
 
 ``--images`` sets the epoch: the default, 65,536 samples, is about two round
 trips of data at 200 ms, so the one-epoch look-ahead binds at every epoch
@@ -78,6 +90,7 @@ class WindowRun:
     latency_mean: float = 0.0  # seconds a request took, answered whole, mean over the run
     window_full: float = 0.0  # seconds the engine had requests to send but its window was full
     budget_full: float = 0.0  # ... but its byte budget was full
+    loop_wait: float = 0.0  # seconds the consuming loop waited for a batch
 
     @property
     def samples_per_s(self) -> float:
@@ -109,8 +122,10 @@ def make_source(images: int, size: int, latency: float, rate_mbit: float | None)
     return lambda: MemorySource("bench", samples, latency=latency, rate=rate)
 
 
-def run_once(make, prefetch, *, seconds: float, batch_size: int = 256, max_samples: int | None = None) -> WindowRun:
-    """Iterate epochs of a fresh source from ``make`` (:func:`make_source`) through a Loader for about ``seconds``."""
+def run_once(make, prefetch, *, seconds: float, batch_size: int = 256, max_samples: int | None = None,
+             step: float = 0.0) -> WindowRun:
+    """Iterate epochs of a fresh source from ``make`` (:func:`make_source`) through a Loader for about
+    ``seconds``, sleeping ``step`` seconds after each batch (a training step)."""
     from dataferry.client import Hedge, Loader
 
     source = make()  # before the clock: the source's own set-up is not the loader's
@@ -140,6 +155,8 @@ def run_once(make, prefetch, *, seconds: float, batch_size: int = 256, max_sampl
                 if now >= seconds or (max_samples is not None and samples >= max_samples):
                     done = True
                     break
+                if step:
+                    time.sleep(step)
             if epoch0 is None:
                 epoch0 = time.perf_counter() - t0
         end = time.perf_counter() - t0
@@ -154,7 +171,7 @@ def run_once(make, prefetch, *, seconds: float, batch_size: int = 256, max_sampl
         first_batch=first_batch or end, epoch0=epoch0 or end, cpu=cpu, window=window,
         request_size=int(request_size), trace=tuple(trace),
         latency_mean=stats.latency_sum / stats.answers if stats.answers else 0.0,
-        window_full=stats.window_full, budget_full=stats.budget_full,
+        window_full=stats.window_full, budget_full=stats.budget_full, loop_wait=stats.wait,
     )
 
 
@@ -214,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-size", type=int, default=None)
     p.add_argument("--max-inflight", type=int, default=None)
     p.add_argument("--no-tune", action="store_true", help="Prefetch(tune=False): the fixed +1-per-answer window")
+    p.add_argument("--step-ms", type=float, default=0.0,
+                   help="the consumer sleeps this long after each batch, as a training step (default 0: none)")
     p.add_argument("--http-first-batch", type=float, default=None, metavar="RTT_MS",
                    help="measure the time to first batch over HTTP across this RTT instead")
     p.add_argument("--store-images", type=int, default=1024)
@@ -223,13 +242,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     prefetch = prefetch_from(args)
     latencies = [float(x) / 1e3 for x in args.latencies.split(",")]
+    step = args.step_ms / 1e3
+    consumer = (f", a training step of {args.step_ms:g} ms a batch (at most {args.batch_size / step:,.0f} samples/s)"
+                if step else "")
     print(f"window: {args.images} samples of {args.size} B, batch {args.batch_size}, {args.runs} runs of "
-          f"{args.seconds:g} s, rate {args.rate or 'unlimited'} Mbit/s, {prefetch}")
+          f"{args.seconds:g} s, rate {args.rate or 'unlimited'} Mbit/s{consumer}, {prefetch}")
     results: dict[float, list[WindowRun]] = {lat: [] for lat in latencies}
     makers = {lat: make_source(args.images, args.size, lat, args.rate) for lat in latencies}
     for _ in range(args.runs):  # interleaved, so drift on a shared machine hits every latency alike
         for lat in latencies:
-            results[lat].append(run_once(makers[lat], prefetch, seconds=args.seconds, batch_size=args.batch_size))
+            results[lat].append(run_once(makers[lat], prefetch, seconds=args.seconds, batch_size=args.batch_size,
+                                         step=step))
     base = None
     steady_base = statistics.median(r.steady_per_s for r in results[latencies[0]]) or 1.0
     rows, traces = [], []
@@ -251,10 +274,12 @@ def main(argv: list[str] | None = None) -> int:
             f"w {statistics.median(r.window_full / r.seconds for r in runs):.2f}, "
             f"b {statistics.median(r.budget_full / r.seconds for r in runs):.2f}",
             str(med.window), str(med.request_size), "-" if cap == float("inf") else f"{cap:,.0f}",
+            f"{statistics.median(r.loop_wait / r.seconds for r in runs):.2f}",
         ])
         traces.append(f"{lat * 1e3:g} ms: " + " ".join(f"{t:.2f}s:{w}" for t, w in med.trace))
     print(table(["latency", "samples/s", "ratio", "steady/s", "steady ratio", "ramp", "first batch s", "epoch 0 s",
-                 "us/sample", "CPU share", "req ms", "held", "window", "ids/req", "budget cap/s"], rows))
+                 "us/sample", "CPU share", "req ms", "held", "window", "ids/req", "budget cap/s", "loop waited"],
+                rows))
     print("window over time (median run):")
     print("\n".join(traces))
     return 0

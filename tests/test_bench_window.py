@@ -23,3 +23,18 @@ def test_the_window_bench_prints_both_ratios_and_the_ramp_share(capsys):
     assert int(rows[1]["req ms"]) >= 20, rows[1]  # a request takes at least its emulated round trip
     assert rows[0]["ratio"] == rows[0]["steady ratio"] == "1.00", rows[0]
     assert "window over time" in out
+
+
+def test_a_training_step_bounds_the_consumer_and_its_wait_is_printed(capsys):
+    """--step-ms sleeps after each batch: the run cannot take more than batch / step samples/s, and
+    the loop's wait for data is a share of the run (here the step, not the window, is the limit)."""
+    assert window.main(["--latencies", "0,20", "--images", "3000", "--size", "2000", "--seconds", "0.6",
+                        "--runs", "1", "--batch-size", "64", "--step-ms", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "a training step of 8 ms a batch (at most 8,000 samples/s)" in out, out
+    lines = [line for line in out.splitlines() if line.startswith("|")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [dict(zip(head, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
+    for r in rows:
+        assert float(r["samples/s"].replace(",", "")) <= 8000 * 1.02, r
+        assert 0 <= float(r["loop waited"]) < 1, r
