@@ -35,6 +35,7 @@ class StoreGate:
         self.options = options
         self.metrics = metrics
         self.where = redact_url(getattr(store, "url", repr(store)))
+        self._named = f"store {self.where}"  # how the server's own errors name the store
         self._known: dict[str, float] = {}  # dataset -> monotonic time it was seen to exist
 
     async def call(self, op: str, fn: Callable[..., Awaitable[T]], *args: object, timeout: float | None = None) -> T:
@@ -45,9 +46,7 @@ class StoreGate:
             async with asyncio.timeout(limit):
                 return await fn(*args)
         except TimeoutError as exc:
-            err = exc if isinstance(exc, StoreTimeout) else StoreTimeout(
-                f"store {self.where}: {op} did not answer within {limit:g} s"
-            )
+            err = exc if isinstance(exc, StoreTimeout) else self.timeout(f"{op} did not answer within {limit:g} s")
             self.failed(op, err)
             raise err from exc
         except StoreError as exc:
@@ -56,14 +55,18 @@ class StoreGate:
         finally:
             self.metrics.store_latency.labels(op=op).observe(time.perf_counter() - t0)
 
+    def timeout(self, what: str) -> StoreTimeout:
+        """The server's own timeout of the store (it did not answer in time), naming the store."""
+        return StoreTimeout(f"{self._named}: {what}")
+
     def failed(self, op: str, exc: BaseException) -> None:
         kind = "timeout" if isinstance(exc, TimeoutError) else "unavailable"
         self.metrics.store_errors.labels(kind=kind).inc()
         text = str(exc)
-        if text.startswith(f"store {self.where}"):  # named the store already (a timeout of ours)
+        if text.startswith(self._named):  # one of ours (:meth:`timeout`): it names the store already
             log.warning("%s failed: %s", op, text)
         else:
-            log.warning("store %s: %s failed: %s", self.where, op, text)
+            log.warning("%s: %s failed: %s", self._named, op, text)
 
     async def require_dataset(self, name: str) -> None:
         """Return if ``name`` exists; raise DatasetNotFound (or a store error)."""

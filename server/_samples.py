@@ -178,9 +178,8 @@ async def _produce(gate: StoreGate, dataset: str, ids: np.ndarray, outbox: Outbo
             task = asyncio.current_task()
             if not watch.expired or (task is not None and task.uncancel() > 0):
                 raise
-            raise StoreTimeout(
-                f"store {gate.where}: no sample of dataset {dataset!r} within {limit:g} s "
-                f"({found + missing} of {len(ids)} answered)"
+            raise gate.timeout(
+                f"no sample of dataset {dataset!r} within {limit:g} s ({found + missing} of {len(ids)} answered)"
             ) from exc
         finally:
             watch.cancel()
