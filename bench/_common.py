@@ -206,7 +206,7 @@ def store_samples(store_url: str, dataset: str, ids: Sequence[int] | None = None
 def prepared_store(kind: str, images: int, dataset: str = "bench", store_url: str | None = None):
     """Yield ``(url, (host, port) or None, ingest report)`` of a store holding
     ``images`` synthetic JPEGs (the same bytes for every kind: the generator is
-    seeded). ``kind="cassandra"`` starts a throwaway Cassandra 1.2 unless
+    seeded). ``kind="cassandra"`` starts a throwaway Cassandra 5.0 node unless
     ``store_url`` is given; ``"sqlite"`` uses a temp file. Ingest is
     idempotent, so a given store is filled once.
     """
@@ -218,7 +218,7 @@ def prepared_store(kind: str, images: int, dataset: str = "bench", store_url: st
             from ._devcassandra import DevCassandra
 
             server = stack.enter_context(DevCassandra(os.path.join(tmp, "cassandra")))
-            store_url = server.url("bench", protocol_version=1)  # 1.2 speaks v1 only: skip negotiation
+            store_url = server.url("bench")
         elif store_url is None:
             store_url = f"sqlite://{tmp}/bench.db"
         opts = parse_store_url(store_url)

@@ -103,7 +103,7 @@ class ProxyLink:
 
     @contextlib.contextmanager
     def cassandra(self, images: int):
-        """``(store url, (host, port))`` of a Cassandra 1.2 holding the bench dataset."""
+        """``(store url, (host, port))`` of a Cassandra 5.0 node holding the bench dataset."""
         with prepared_store("cassandra", images) as (url, address, _):
             yield url, address
 
@@ -150,11 +150,11 @@ class NamespaceLink:
         cmd = [*self.wrap, sys.executable, "-m", "dataferry.bench._links", "cassandra", "--host", self.host,
                "--images", str(images)]
         with announced(cmd, "Cassandra in the server namespace") as (host, port):
-            yield f"cassandra://{host}:{port}/bench?protocol_version=1", (host, port)
+            yield f"cassandra://{host}:{port}/bench", (host, port)
 
 
 def _serve_cassandra(host: str, images: int) -> int:
-    """Cassandra 1.2 on loopback holding the bench dataset, forwarded from ``host``, until SIGTERM or SIGINT."""
+    """Cassandra 5.0 on loopback holding the bench dataset, forwarded from ``host``, until SIGTERM or SIGINT."""
     import signal
     import threading
 

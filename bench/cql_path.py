@@ -4,7 +4,7 @@
 [--paths hot,driver]``
 ``python -m dataferry.bench.cql_path --read-path [--frames 2000] [--repeats 3]``
 
-A throwaway Cassandra 1.2 (``_devcassandra``, protocol v1) holds ``--images``
+A throwaway Cassandra 5.0 node (``_devcassandra``, spoken to at protocol v4) holds ``--images``
 synthetic JPEGs (about 110 KB each). Each run is a fresh process (no driver
 state carried over) that creates a ``Loader`` on the store URL and reads one
 epoch; runs go straight to the server ("direct") and through a latency-proxy
@@ -173,7 +173,7 @@ def run(images: int, rtts: list[float], repeats: int, batch_size: int,
     results: dict[str, list[dict]] = {}
     with prepared_store("cassandra", images, DATASET) as (url, address, report), contextlib.ExitStack() as stack:
         print(f"cql_path: {report.num_samples} images of {report.bytes_out / max(report.num_samples, 1) / 1e3:.0f} KB "
-              f"mean in Cassandra 1.2 at {address[0]}:{address[1]}", file=sys.stderr, flush=True)
+              f"mean in Cassandra 5.0 at {address[0]}:{address[1]}", file=sys.stderr, flush=True)
         targets = {"direct": url}
         link = ProxyLink()
         for rtt in rtts:
@@ -217,7 +217,7 @@ def _read_path_once(conn, handle_read, frames: int, buffer: int | None = None, s
     import struct
     import threading
 
-    header = struct.Struct(">BBhBi" if conn.protocol_version >= 3 else ">BBbBi")
+    header = struct.Struct(">BBhBi")
     frame = header.pack(0x80 | conn.protocol_version, 0, 5, 0x08, size) + os.urandom(size)
     blob = frame * 100
     ours, theirs = socket.socketpair()
@@ -255,18 +255,12 @@ def read_path(frames: int, repeats: int) -> list[list[str]]:
     from ._devcassandra import DevCassandra
 
     with tempfile.TemporaryDirectory(prefix="dataferry-bench-") as tmp, DevCassandra(tmp) as server:
-        cluster, session, _ = _cqlconnect.open_cluster(parse_store_url(server.url("bench", protocol_version=1)))
+        cluster, session, _ = _cqlconnect.open_cluster(parse_store_url(server.url("bench")))
         try:
             conn = next(c for c in list(cluster.connection_class.opened)
                         if not (c.is_control_connection or c.is_closed))
-            reader, _cqlconnect._frame_reader = _cqlconnect._frame_reader, lambda: None
-            try:  # the reader without _frame_reader: what v5 connections use
-                each_read = _cqlconnect._libev_read(LibevConnection)
-            finally:
-                _cqlconnect._frame_reader = reader
             readers = {
                 "the driver's (LibevConnection.handle_read)": LibevConnection.handle_read,
-                "parse after each read (before; the v5 path)": each_read,
                 "dataferry's (_cqlconnect._frame_reader)": type(conn).handle_read,
             }
             rows = []
@@ -297,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.read_path:
         rows = read_path(args.frames, args.repeats)
-        print(f"median of {args.repeats} runs; {args.frames} frames of 110 KB, protocol v1, libev")
+        print(f"median of {args.repeats} runs; {args.frames} frames of 110 KB, protocol v4, libev")
         print(table(["reader", "socket buffers", "CPU us per frame", "GB/s of one core"], rows))
         return 0
     if args.child:

@@ -1,42 +1,32 @@
-"""CassandraStore: the store on Apache Cassandra (1.2 to 5) and ScyllaDB.
+"""CassandraStore: the store on Apache Cassandra (2.2 to 5.0; tested on 5.0) and ScyllaDB.
 
 One prepared statement per request, one partition per sample, so every read
-is a single-partition lookup routed to a replica (token-aware policy). Sample
-reads (``_HOT``) take the hot path (``_cqlfast.HotReads``: the driver's pool
-connections without its per-request ``ResponseFuture``, rows decoded by a
-small reader, one loop timer for every deadline); what it cannot send or
-that gets anything but rows goes again through ``Session.execute_async``, as
-every other request does. The driver runs its own IO thread; its callbacks
-(and the hot path's) append each answer to one queue
-and wake the event loop only when the queue was idle
-(``loop.call_soon_threadsafe`` once per burst, not once per answer), and the
-loop settles every queued answer in one go. An ``asyncio.Semaphore`` of
-``opts.concurrency`` bounds the requests in flight, reads and writes together,
-and every bulk operation keeps at most that many pending, however many ids it
-is given.
+is a single-partition lookup routed to a replica (token-aware). Sample reads
+(``_HOT``) take the hot path (``_cqlfast.HotReads``: the driver's pool
+connections without its per-request ``ResponseFuture``, a small row decoder,
+one loop timer for every deadline, a stalled replica passed over, a hedge or
+a timed-out read sent to another replica); what it cannot send or that gets
+anything but rows goes again through ``Session.execute_async``, as every
+other request does. The driver's IO thread appends each answer to one queue
+and wakes the event loop only when the queue was idle, and the loop settles
+every queued answer in one go. An ``asyncio.Semaphore`` of
+``opts.concurrency`` bounds the requests in flight, reads and writes
+together, however many ids a bulk operation is given.
 
-Opening costs the connection set-up (``_cqlconnect.open_cluster``) and the
-statements of the read path (``_EAGER``) prepared in parallel, which also
-tells a missing keyspace or table: with the protocol version named in the URL
-the first pool connection prepares them while the control connection is still
-being set up (no round trip more), otherwise one round trip after it. Every
-other statement is prepared on its first use. The keyspace's metadata (for
-token-aware routing) is loaded in the background; until it is there,
-requests go round robin.
+Every request runs at one consistency: the URL's, or
+:func:`default_consistency` from the keyspace's replication (LOCAL_QUORUM
+with 3 replicas or more, else ONE). Writes are single statements that name
+only the columns they set (no null binds: a tombstone each).
 
-What the oldest supported server (Cassandra 1.2, native protocol v1) forces:
-no batches, no ``IF NOT EXISTS``, no null bind values, no server-side paging.
-So writes are single statements that name only the columns they set, and
-pages are followed only where v2+ servers send them. Connection set-up and
-the translation of driver errors live in ``_cqlconnect.py``.
+Opening costs the connection set-up (``_cqlconnect.open_cluster``): the first
+pool connection prepares the read path's statements (``_EAGER``) and reads
+the keyspace's replication while the control connection is still being set
+up, which also tells a missing keyspace or table. Every other statement is
+prepared on its first use. The keyspace's metadata (for token-aware routing)
+is loaded in the background; until it is there, requests go round robin.
 
-``close()`` stops issuing, lets the requests still in flight answer (a Loader
-closes with its prefetch outstanding; at most ``_CLOSE_GRACE_S``), then shuts
-the cluster down off the loop and awaits it. A request cut off by the shutdown
-keeps its driver timer until its deadline, which keeps the driver's IO thread
-alive (asleep) until then (a hot read has no driver timer: its connection's
-close fails it); answered ones leave nothing behind, and the thread ends with
-the last connection.
+``close()`` stops issuing, lets the requests still in flight answer (at most
+``_CLOSE_GRACE_S``), then shuts the cluster down off the loop and awaits it.
 """
 
 from __future__ import annotations
@@ -47,7 +37,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
 from contextlib import aclosing
 
-from ._cqlconnect import grow_pool, on_new_connection, open_cluster, pool_capacity, shutdown, translate, where
+from ._cqlconnect import open_cluster, shutdown, translate, where
 from ._cqlfast import Again, HotReads
 from ._errors import DatasetNotFound, SampleNotFound, SplitNotFound, StoreError, StoreUnavailable
 from ._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo, check_name
@@ -60,45 +50,33 @@ __all__ = ["CassandraStore"]
 #: How long ``close()`` waits for requests in flight to answer before shutting the cluster down.
 _CLOSE_GRACE_S = 2.0
 
-# (name, CQL with {ks}, number of leading bind markers that form the partition key)
+# name -> CQL with {ks}
 _STATEMENTS = {
-    "fetch": ("SELECT label, data, target FROM {ks}.samples WHERE dataset=? AND id=?", 2),
-    "meta": (
-        "SELECT label, path, format, width, height, size, checksum, tags FROM {ks}.sample_meta "
-        "WHERE dataset=? AND id=?",
-        2,
-    ),
-    "exists": ("SELECT id FROM {ks}.sample_meta WHERE dataset=? AND id=?", 2),
-    # No null binds: Cassandra 1.2 rejects them, later versions write a tombstone per row.
-    "put_sample": ("INSERT INTO {ks}.samples (dataset, id, label, data) VALUES (?,?,?,?)", 2),
-    "put_sample_target": ("INSERT INTO {ks}.samples (dataset, id, label, data, target) VALUES (?,?,?,?,?)", 2),
-    "put_meta": (
-        "INSERT INTO {ks}.sample_meta (dataset, id, label, path, format, width, height, size, checksum, tags) "
-        "VALUES (?,?,?,?,?,?,?,?,?,?)",
-        2,
-    ),
-    "datasets": ("SELECT name, label_names, num_samples, created FROM {ks}.datasets", 0),
-    "dataset": ("SELECT name, label_names, num_samples, created FROM {ks}.datasets WHERE name=?", 1),
-    "put_dataset": ("INSERT INTO {ks}.datasets (name, label_names, num_samples, created) VALUES (?,?,?,?)", 1),
-    "splits": ("SELECT split, num_ids FROM {ks}.splits WHERE dataset=?", 1),
-    "split": ("SELECT num_ids, num_chunks FROM {ks}.splits WHERE dataset=? AND split=?", 1),
-    "put_split": ("INSERT INTO {ks}.splits (dataset, split, num_ids, num_chunks) VALUES (?,?,?,?)", 1),
-    "del_split": ("DELETE FROM {ks}.splits WHERE dataset=? AND split=?", 1),
-    "chunk": ("SELECT ids, labels FROM {ks}.split_chunks WHERE dataset=? AND split=? AND chunk=?", 3),
-    "put_chunk": ("INSERT INTO {ks}.split_chunks (dataset, split, chunk, ids, labels) VALUES (?,?,?,?,?)", 3),
-    "del_chunk": ("DELETE FROM {ks}.split_chunks WHERE dataset=? AND split=? AND chunk=?", 3),
+    "fetch": "SELECT label, data, target FROM {ks}.samples WHERE dataset=? AND id=?",
+    "meta": "SELECT label, path, format, width, height, size, checksum, tags FROM {ks}.sample_meta "
+            "WHERE dataset=? AND id=?",
+    "exists": "SELECT id FROM {ks}.sample_meta WHERE dataset=? AND id=?",
+    # No null binds: a null written is a tombstone per row; a sample without target names fewer columns.
+    "put_sample": "INSERT INTO {ks}.samples (dataset, id, label, data) VALUES (?,?,?,?)",
+    "put_sample_target": "INSERT INTO {ks}.samples (dataset, id, label, data, target) VALUES (?,?,?,?,?)",
+    "put_meta": "INSERT INTO {ks}.sample_meta (dataset, id, label, path, format, width, height, size, checksum, "
+                "tags) VALUES (?,?,?,?,?,?,?,?,?,?)",
+    "datasets": "SELECT name, label_names, num_samples, created FROM {ks}.datasets",
+    "dataset": "SELECT name, label_names, num_samples, created FROM {ks}.datasets WHERE name=?",
+    "put_dataset": "INSERT INTO {ks}.datasets (name, label_names, num_samples, created) VALUES (?,?,?,?)",
+    "splits": "SELECT split, num_ids FROM {ks}.splits WHERE dataset=?",
+    "split": "SELECT num_ids, num_chunks FROM {ks}.splits WHERE dataset=? AND split=?",
+    "put_split": "INSERT INTO {ks}.splits (dataset, split, num_ids, num_chunks) VALUES (?,?,?,?)",
+    "del_split": "DELETE FROM {ks}.splits WHERE dataset=? AND split=?",
+    "chunk": "SELECT ids, labels FROM {ks}.split_chunks WHERE dataset=? AND split=? AND chunk=?",
+    "put_chunk": "INSERT INTO {ks}.split_chunks (dataset, split, chunk, ids, labels) VALUES (?,?,?,?,?)",
+    "del_chunk": "DELETE FROM {ks}.split_chunks WHERE dataset=? AND split=? AND chunk=?",
     # derived_splits: prepared on first use like the rest, so a keyspace made before that
     # table existed still opens, and says how to add it when used (_has_derived)
-    "derived": (
-        "SELECT parent, filter_text, created, num_ids, content_hash, parent_hash FROM {ks}.derived_splits "
-        "WHERE dataset=? AND split=?",
-        1,
-    ),
-    "put_derived": (
-        "INSERT INTO {ks}.derived_splits (dataset, split, parent, filter_text, created, num_ids, content_hash, "
-        "parent_hash) VALUES (?,?,?,?,?,?,?,?)",
-        1,
-    ),
+    "derived": "SELECT parent, filter_text, created, num_ids, content_hash, parent_hash FROM {ks}.derived_splits "
+               "WHERE dataset=? AND split=?",
+    "put_derived": "INSERT INTO {ks}.derived_splits (dataset, split, parent, filter_text, created, num_ids, "
+                   "content_hash, parent_hash) VALUES (?,?,?,?,?,?,?,?)",
 }
 
 #: Statements read through the hot path (``_cqlfast.HotReads``): single-row reads of int and blob columns.
@@ -107,6 +85,34 @@ _HOT = {"fetch": ("int", "blob", "blob")}  # name -> the CQL types of its result
 #: Prepared while the store opens, in parallel: what a Loader needs before its first batch
 #: (the split's id list, the samples), and what says whether the keyspace and tables exist.
 _EAGER = ("fetch", "split", "chunk", "dataset")
+
+
+#: the keyspace's replication, asked while the store opens (for the default consistency)
+_REPLICATION = "SELECT replication FROM system_schema.keyspaces WHERE keyspace_name='{ks}'"
+
+
+def default_consistency(replication: Mapping[str, str] | None, local_dc: str | None = None) -> str:
+    """``LOCAL_QUORUM`` when the keyspace keeps 3 or more replicas (in ``local_dc``, or in every
+    data centre when none is named), else ``ONE``.
+
+    With 3 replicas, a quorum survives a node down, and a read at quorum meets a write at quorum
+    on at least one replica: a replica back from an outage, before hints replay, cannot make a
+    sample look missing. With 1 or 2, a quorum would stop at one node down: ONE keeps serving.
+    """
+    if not replication:
+        return "ONE"
+    cls = replication.get("class", "").rsplit(".", 1)[-1]
+    if cls == "SimpleStrategy":
+        factors = [replication.get("replication_factor", "1")]
+    elif local_dc is not None:
+        factors = [replication.get(local_dc, "0")]
+    else:
+        factors = [v for k, v in replication.items() if k not in ("class", "replication_factor")]
+    try:
+        smallest = min(int(str(f).split("/")[0]) for f in factors) if factors else 1
+    except ValueError:  # not a replication map this knows: the level that works everywhere
+        return "ONE"
+    return "LOCAL_QUORUM" if smallest >= 3 else "ONE"
 
 
 def _quietly(aw) -> asyncio.Future:
@@ -152,7 +158,8 @@ def _hot_reads(cluster, session, opts: CassandraOptions, loop, arrive) -> HotRea
 class CassandraStore:
     """The Cassandra/ScyllaDB store. Open with :func:`dataferry.schema.open_store`."""
 
-    def __init__(self, opts: CassandraOptions, url: str, cluster, session, prepared: dict) -> None:
+    def __init__(self, opts: CassandraOptions, url: str, cluster, session, prepared: dict,
+                 consistency: str) -> None:
         self.url = url
         self._opts = opts
         self._where = where(opts)
@@ -160,28 +167,27 @@ class CassandraStore:
         self._cluster = cluster
         self._session = session
         self._ps = prepared
+        #: the consistency of every read and write (the URL's, or :func:`default_consistency`)
+        self.consistency = consistency
         self._preparing: dict[str, asyncio.Future] = {}  # statements being prepared on first use
         self._loop = asyncio.get_running_loop()
-        # v1/v2: no more in flight than the pool's connections carry (it grows in the background);
-        # one permit until open() widens it to what the pool carries (_widen)
-        self._permits = 1
-        self._sem = asyncio.Semaphore(self._permits)
-        self._grown = asyncio.Event()  # set once the pool carries ``concurrency``
+        self._sem = asyncio.Semaphore(opts.concurrency)
         self._inflight = 0
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
         self._arrivals: deque = deque()  # (sink, key, rows, exc), appended by the driver's IO thread
         self._draining = False  # a drain of _arrivals is scheduled on the loop
-        self._pages: dict = {}  # ResponseFuture -> rows of the pages before its last (v2+ full scans)
+        self._pages: dict = {}  # ResponseFuture -> rows of the pages before its last (full scans)
         self._background: asyncio.Future | None = None
         self._closed = False
         self._hot = _hot_reads(cluster, session, opts, self._loop, self._arrive)
 
     @classmethod
     async def open(cls, opts: CassandraOptions, *, url: str) -> CassandraStore:
-        queries = {n: _STATEMENTS[n][0].format(ks=opts.keyspace) for n in _EAGER}
-        cluster, session, early = await asyncio.to_thread(open_cluster, opts, prepare=tuple(queries.values()))
-        grow_pool(cluster, opts)  # beside the prepares; connections it is opening are closed on failure
+        queries = {n: _STATEMENTS[n].format(ks=opts.keyspace) for n in _EAGER}
+        ask = _REPLICATION.format(ks=opts.keyspace)
+        cluster, session, early = await asyncio.to_thread(
+            open_cluster, opts, prepare=tuple(queries.values()), ask=(ask,) if opts.consistency is None else ())
 
         async def prepare(name):
             ps = early.get(queries[name])
@@ -189,10 +195,19 @@ class CassandraStore:
                 return await asyncio.to_thread(cls._prepare, session, name, opts)
             if isinstance(ps, BaseException):
                 raise ps
-            return cls._routed(ps, name)
+            return ps
 
-        prepared = await asyncio.gather(*(prepare(n) for n in _EAGER), return_exceptions=True)
-        failed = next((p for p in prepared if isinstance(p, BaseException)), None)
+        async def replication():
+            if opts.consistency is not None:
+                return None
+            rows = early.get(ask)
+            if rows is None:
+                rows = await asyncio.to_thread(lambda: [tuple(r) for r in session.execute(ask)])
+            return dict(rows[0][0]) if rows else None
+
+        *prepared, replicas = await asyncio.gather(*(prepare(n) for n in _EAGER), replication(),
+                                                   return_exceptions=True)
+        failed = next((p for p in (*prepared, replicas) if isinstance(p, BaseException)), None)
         if failed is not None:
             await asyncio.to_thread(shutdown, cluster)
             if not isinstance(failed, Exception):
@@ -204,27 +219,19 @@ class CassandraStore:
                 ) from failed
             err = translate(failed, f"cassandra store {where(opts)}: preparing statements", url=url)
             raise err from (None if err is failed else failed)
-        store = cls(opts, url, cluster, session, dict(zip(_EAGER, prepared)))
-        on_new_connection(cluster, store._widen_soon)
-        store._widen()  # what the pool carries now, connections that opened before the store listened included
+        if opts.consistency is None and replicas is None:
+            await asyncio.to_thread(shutdown, cluster)
+            raise StoreUnavailable(
+                f"cassandra store {where(opts)}: keyspace {opts.keyspace!r} does not exist; "
+                f"create it with: dataferry schema apply --store {redact_url(url)}"
+            )
+        consistency = opts.consistency or default_consistency(replicas, opts.local_dc)
+        from cassandra import ConsistencyLevel
+
+        cluster.profile_manager.default.consistency_level = ConsistencyLevel.name_to_value[consistency]
+        store = cls(opts, url, cluster, session, dict(zip(_EAGER, prepared)), consistency)
         store._background = _quietly(asyncio.to_thread(cluster.refresh_keyspace_metadata, opts.keyspace))
         return store
-
-    def _widen_soon(self) -> None:
-        """Driver thread: a connection opened; the loop may allow more in flight."""
-        try:
-            self._loop.call_soon_threadsafe(self._widen)
-        except RuntimeError:  # the loop is closed
-            pass
-
-    def _widen(self) -> None:
-        capacity = pool_capacity(self._cluster)
-        target = self._opts.concurrency if capacity is None else min(self._opts.concurrency, capacity)
-        while self._permits < target:
-            self._permits += 1
-            self._sem.release()
-        if target >= self._opts.concurrency:
-            self._grown.set()
 
     async def _statement(self, name: str):
         """The prepared statement ``name``, prepared on its first use (once, however many ask at once)."""
@@ -245,15 +252,7 @@ class CassandraStore:
 
     @staticmethod
     def _prepare(session, name: str, opts: CassandraOptions):
-        return CassandraStore._routed(session.prepare(_STATEMENTS[name][0].format(ks=opts.keyspace)), name)
-
-    @staticmethod
-    def _routed(ps, name: str):
-        pk = _STATEMENTS[name][1]
-        if ps.routing_key_indexes is None and pk:
-            # Protocol < 4 does not say which markers are the partition key.
-            ps.routing_key_indexes = list(range(pk))
-        return ps
+        return session.prepare(_STATEMENTS[name].format(ks=opts.keyspace))
 
     # --- plumbing: answers cross to the loop in bursts -------------------------------
     def _issue(self, ps, params: tuple, sink, key, hot: str | None = None) -> None:
@@ -276,7 +275,7 @@ class CassandraStore:
 
     def _on_rows(self, rows, rf, sink, key) -> None:
         """Driver IO thread: an answer (or a page of one)."""
-        if rf.has_more_pages:  # only v2+ servers page, and only full scans get there
+        if rf.has_more_pages:  # only full scans get there
             self._pages.setdefault(rf, []).extend(rows)
             rf.start_fetching_next_page()
             return
@@ -322,14 +321,6 @@ class CassandraStore:
         """Run ``(key, params)`` jobs, at most ``concurrency`` pending; yield ``(key, rows)`` as they complete."""
         if self._closed:
             raise StoreUnavailable(f"{self._named} is closed")
-        if name.startswith(("put_", "del_")) and not self._grown.is_set():
-            # Writes carry the bytes: many on few connections fill their sockets, and the driver refuses
-            # what it cannot queue (ConnectionBusy, re-sent below). They wait for the pool (v1/v2) to
-            # spread them, a connect timeout at most.
-            try:
-                await asyncio.wait_for(self._grown.wait(), self._opts.connect_timeout)
-            except TimeoutError:
-                pass
         ps = self._ps.get(name)
         if ps is None:
             try:

