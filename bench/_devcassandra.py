@@ -613,6 +613,10 @@ def _query(host: str, port: int, cql: str, cluster: DevCluster | None = None) ->
         driver.shutdown()
 
 
+def _interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dataferry.bench._devcassandra", description=__doc__.split("\n")[0])
     ap.add_argument("--nodes", type=int, default=1)
@@ -621,6 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heap", default="512M")
     ap.add_argument("--tls", action="store_true")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupted)  # SIGTERM stops the nodes too, as Ctrl-C does
     with DevCluster(args.nodes, args.workdir, port=args.port, heap=args.heap, tls=args.tls) as cluster:
         print(f"Cassandra {cluster.version} up: {cluster.url('dataferry')}  (Ctrl-C stops it)", flush=True)
         try:

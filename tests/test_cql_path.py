@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import datetime as dt
 import select
 import socket
@@ -459,3 +460,49 @@ def test_the_bench_measures_either_read_path(dataset, monkeypatch):
         reads = {params[1] for params in calls if len(params) == 2 and isinstance(params[1], int)}  # sample ids
         counts[path] = (result["samples"], len(reads))
     assert counts == {"hot": (len(data), 0), "driver": (len(data), len(data))}
+
+
+@pytest.fixture(scope="module")
+def sized(cassandra_url):
+    """``(url, name, data by id)``: 200 samples from 4 KB to 1 MB (log-spaced, about 36 MB)."""
+    name = "cql_sized"
+    rng = np.random.default_rng(11)
+    sizes = np.geomspace(4 << 10, 1 << 20, 200).astype(int)
+    samples = [Sample(i, i % 3, rng.integers(0, 256, int(n), dtype=np.uint8).tobytes()) for i, n in enumerate(sizes)]
+    seed_url(cassandra_url, name, samples)
+    return cassandra_url, name, {s.id: s.data for s in samples}
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_ten_thousand_reads_of_4_kb_to_1_mb_leave_no_connection_defunct(sized, tls, request):
+    """Protocol v4 on Cassandra 5.0 (whose default is v5): 10,000 reads of samples from 4 KB to
+    1 MB, plain and over TLS (records of 16 KB: frame headers split across reads), every one
+    byte-exact, and no connection declared defunct."""
+    url, name, data = sized
+    if tls:
+        if os.environ.get("DATAFERRY_TEST_CASSANDRA"):
+            pytest.skip("TLS needs the session's own Cassandra (its certificate)")
+        url = _url(url, tls=1, tls_ca=request.getfixturevalue("dev_cassandra").ca_path)
+    ids = np.tile(np.arange(len(data)), 50)
+    np.random.default_rng(3).shuffle(ids)
+
+    async def go():
+        async with await open_store(url, create=False) as store:
+            cls = store._cluster.connection_class
+            defunct, real = [], cls.defunct
+            cls.defunct = lambda self, exc: defunct.append(repr(exc)) or real(self, exc)
+            try:
+                count = 0
+                async for s in store.fetch(name, ids):
+                    assert s.data == data[s.id], s.id
+                    count += 1
+                versions = {c.protocol_version for c in list(cls.opened)}
+                encrypted = {c.ssl_context is not None for c in list(cls.opened)}
+            finally:
+                cls.defunct = real
+            return count, defunct, versions, store._cluster.protocol_version, encrypted
+
+    count, defunct, versions, version, encrypted = run(go())
+    assert count == len(ids) >= 10_000
+    assert defunct == [] and versions == {4} and version == 4
+    assert encrypted == {tls}
