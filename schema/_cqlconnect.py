@@ -528,6 +528,33 @@ def _routing(child):
     return _Routing(child)
 
 
+#: times a request the server timed out or could not place is sent again (to the next host of its plan)
+_SERVER_RETRIES = 2
+
+
+def _retry_policy():
+    """The driver's retry policy for dataferry's requests, all idempotent (reads, inserts of whole
+    rows whose ids are content hashes, deletes): a coordinator's read or write timeout, or an
+    Unavailable (it thought too few replicas alive, as while a node restarts), is sent again to
+    the next host, ``_SERVER_RETRIES`` times. The driver's default rethrows a write timeout, and
+    an ingest on a busy cluster failed on one."""
+    from cassandra.policies import RetryPolicy
+
+    class _IdempotentRetry(RetryPolicy):
+        def on_read_timeout(self, query, consistency, required_responses, received_responses, data_retrieved,
+                            retry_num):
+            return (self.RETRY_NEXT_HOST, None) if retry_num < _SERVER_RETRIES else (self.RETHROW, None)
+
+        def on_write_timeout(self, query, consistency, write_type, required_responses, received_responses,
+                             retry_num):
+            return (self.RETRY_NEXT_HOST, None) if retry_num < _SERVER_RETRIES else (self.RETHROW, None)
+
+        def on_unavailable(self, query, consistency, required_replicas, alive_replicas, retry_num):
+            return (self.RETRY_NEXT_HOST, None) if retry_num < _SERVER_RETRIES else (self.RETHROW, None)
+
+    return _IdempotentRetry()
+
+
 def open_cluster(opts: CassandraOptions, *, prepare: Sequence[str] = (), ask: Sequence[str] = (), **cluster_args):
     """Blocking: ``(cluster, session, early)`` connected to ``opts``'s hosts; no keyspace is set
     or checked. Raise StoreUnavailable naming the hosts when none answers.
@@ -554,6 +581,7 @@ def open_cluster(opts: CassandraOptions, *, prepare: Sequence[str] = (), ask: Se
         consistency_level=ConsistencyLevel.name_to_value[opts.consistency or "ONE"],
         request_timeout=opts.request_timeout,
         row_factory=tuple_factory,
+        retry_policy=_retry_policy(),
     )
     if opts.username:
         cluster_args["auth_provider"] = PlainTextAuthProvider(opts.username, opts.password or "")

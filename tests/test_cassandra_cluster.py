@@ -187,6 +187,30 @@ def test_a_node_frozen_for_a_minute_stalls_the_loop_less_than_a_request_timeout(
     assert longest < timeout, (longest, at - frozen_at[0])
 
 
+def test_reads_of_a_frozen_replica_time_out_once_and_are_answered_by_another(nodes, streamed):
+    """The store alone (no engine, no hedges): a third of the reads go first to the frozen node.
+    Each times out once (``request_timeout=2``) and is sent again to another replica, while the
+    reads that follow pass the stalled node over: every sample arrives, none fails."""
+    url, digest = streamed
+    target = url + "?request_timeout=2"
+
+    async def read_all():
+        async with await open_store(target, create=False) as store:
+            await asyncio.sleep(1.0)  # the keyspace's replicas are known: reads are token-aware
+            nodes.nodes[2].freeze()
+            try:
+                start = time.monotonic()
+                got = [r async for r in store.fetch("d", list(digest))]
+                return got, time.monotonic() - start
+            finally:
+                nodes.nodes[2].thaw()
+
+    got, took = asyncio.run(read_all())
+    assert all(isinstance(r, Sample) and hashlib.sha256(r.data).digest() == digest[r.id] for r in got)
+    assert sorted(r.id for r in got) == sorted(digest)
+    assert took < 2 * 2 + 3, took  # one timeout, then another replica: not one timeout per read
+
+
 def test_samples_written_with_a_node_down_are_all_found_once_it_is_back(nodes):
     """Written at the default consistency (LOCAL_QUORUM) with the third node down, then read
     once it is back, before anything repaired it. At ONE some reads ask that node alone and

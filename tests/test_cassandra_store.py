@@ -357,6 +357,21 @@ def test_dev_server_without_java_says_what_to_install(monkeypatch):
 
 
 # --- connection options, no server needed ----------------------------------------------
+def test_the_default_consistency_is_a_local_quorum_with_three_replicas_or_more():
+    from dataferry.schema._cassandra import default_consistency
+
+    simple = "org.apache.cassandra.locator.SimpleStrategy"
+    nts = "org.apache.cassandra.locator.NetworkTopologyStrategy"
+    assert default_consistency({"class": simple, "replication_factor": "1"}) == "ONE"
+    assert default_consistency({"class": simple, "replication_factor": "2"}) == "ONE"
+    assert default_consistency({"class": simple, "replication_factor": "3"}) == "LOCAL_QUORUM"
+    assert default_consistency({"class": nts, "dc1": "3", "dc2": "3"}) == "LOCAL_QUORUM"
+    assert default_consistency({"class": nts, "dc1": "3", "dc2": "1"}) == "ONE"  # not every DC keeps 3
+    assert default_consistency({"class": nts, "dc1": "3", "dc2": "1"}, "dc1") == "LOCAL_QUORUM"
+    assert default_consistency({"class": nts, "dc1": "3"}, "dc9") == "ONE"
+    assert default_consistency(None) == default_consistency({"class": "Odd", "x": "y"}) == "ONE"
+
+
 def test_tls_options(tmp_path):
     assert _ssl_context(parse_store_url("cassandra://h/ks")) is None
     strict = _ssl_context(parse_store_url("cassandra://h/ks?tls=1"))

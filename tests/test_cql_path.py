@@ -306,6 +306,24 @@ def test_connections_are_set_up_in_the_fewest_exchanges(dataset):
         assert not any(m == "Query system.peers" for g in conn for m in g), conn
 
 
+def test_on_scylladb_the_control_connection_reads_system_peers_without_trying_peers_v2(dataset, monkeypatch):
+    """ScyllaDB has no ``system.peers_v2``: the driver's attempt there fails and costs a round trip.
+    The control connection's OPTIONS answer (sent beside its STARTUP) tells ScyllaDB by its
+    ``SCYLLA_*`` options; told so (here by hand: this server is Cassandra 5.0), the peers query
+    goes to ``system.peers`` at once, in the same exchange as REGISTER."""
+    from dataferry.schema import _cqlconnect
+
+    assert _cqlconnect._is_scylla({"SCYLLA_SHARD": ["0"], "SCYLLA_NR_SHARDS": ["4"], "COMPRESSION": ["lz4"]})
+    assert not _cqlconnect._is_scylla({"CQL_VERSION": ["3.4.7"], "COMPRESSION": ["snappy", "lz4"],
+                                       "PROTOCOL_VERSIONS": ["3/v3", "4/v4", "5/v5"]})
+    monkeypatch.setattr(_cqlconnect, "_is_scylla", lambda options: True)
+    url, name, data = dataset
+    with exchanges() as groups:
+        _read_first(_url(url), name, data)
+    control = next(g for g in groups.values() if any(m == "Register" for grp in g for m in grp))
+    assert control[:2] == [["Options", "Startup"], ["Register", "Query system.peers", "Query system.local"]], control
+
+
 @contextlib.contextmanager
 def sent_in_order(*, answers: bool = False):
     """``(connection id, message kind)`` of every message the driver sends while inside, in order;
