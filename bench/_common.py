@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from dataferry.schema._table import format_table
 
 __all__ = ["Measurement", "measure_loader", "prepared_store", "table", "cpu_seconds", "announced", "data_server",
-           "all_ids", "store_samples", "live_descendants", "stat_fields"]
+           "all_ids", "store_samples", "live_descendants", "stat_fields", "loader_epoch"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +157,59 @@ def measure_loader(make: Callable[[], Iterator], *, seconds: float, max_samples:
         first = last = time.perf_counter()
     return Measurement(samples, nbytes, last - first, first - t0, cpu_seconds(exclude=servers) - c0, first_samples,
                        *inflight)
+
+
+def loader_epoch(url: str, dataset: str, batch_size: int, *,
+                 at_first: Callable[[], Callable[[], dict] | None] | None = None) -> dict:
+    """One epoch of a :class:`~dataferry.client.Loader` on ``url`` in this process, timed from creating it.
+
+    ``at_first`` is called at the first batch and may return a callable whose dict, called at the end of
+    the epoch, is merged into the result (what a bench counts over the epoch after the first batch). The
+    result: ``first_batch_s``; ``total_per_s`` (every sample over the wall time from creating the Loader to
+    its last batch: what a user sees) and ``samples_per_s`` (after the first batch); ``cpu_us_per_sample``
+    (this process, every thread, from the first batch to the end, per sample) and ``setup_cpu_ms`` (before
+    the first batch); and the engine's window over the whole run from ``Loader.stats()``: requests, ids
+    per request, the mean requests in flight (the answered requests' summed latencies over the time:
+    Little's law), their mean latency, the shares of the time the engine had requests to send but its
+    window (``window_full_share``) or its byte budget (``budget_full_share``) was full, and the share the
+    consumer waited for a batch (``wait_share``); and the requests retried, hedged and failed.
+    """
+    from dataferry.client import Loader
+
+    c0, t0 = time.process_time(), time.perf_counter()
+    samples, extra = 0, None
+    with Loader(url, dataset, batch_size=batch_size) as loader:
+        it = iter(loader)
+        first = len(next(it))
+        c1, t1 = time.process_time(), time.perf_counter()
+        end = at_first() if at_first is not None else None
+        for batch in it:
+            samples += len(batch)
+        c2, t2 = time.process_time(), time.perf_counter()
+        extra = end() if end is not None else {}
+        s = loader.stats()
+    elapsed = max(s.elapsed, 1e-9)
+    served = s.received / max(s.bytes, 1) * s.samples  # samples received, a sample's mean size from those taken
+    return {
+        "t0": t0, "t1": t1,  # perf_counter() at creating the Loader and at its first batch
+        "first_batch_s": t1 - t0,
+        "first_samples": first,
+        "samples": first + samples,
+        "total_per_s": (first + samples) / (t2 - t0),
+        "samples_per_s": samples / (t2 - t1) if t2 > t1 else 0.0,
+        "cpu_us_per_sample": (c2 - c1) / samples * 1e6 if samples else 0.0,
+        "setup_cpu_ms": (c1 - c0) * 1e3,
+        "served": served,
+        "requests": s.requests,
+        "ids_per_request": served / s.answers if s.answers else 0.0,
+        "mean_inflight": s.latency_sum / elapsed,
+        "latency_ms": (s.mean_latency or 0.0) * 1e3,
+        "window_full_share": s.window_full / elapsed,
+        "budget_full_share": s.budget_full / elapsed,
+        "wait_share": s.wait_fraction,
+        "retries": s.retries, "hedges": s.hedges, "failures": s.failures,
+        **extra,
+    }
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:

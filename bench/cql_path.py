@@ -25,8 +25,10 @@ Per run:
   batch (counted by a hook on the driver's ``Connection.send_msg``); with the
   RTT, ``first batch / RTT`` is the set-up's length in round trips;
 * **samples/s from creating the Loader**: the whole epoch over the wall time from
-  creating the Loader to its last batch (what a user sees); **after the first
-  batch**: from the first batch to the end of the epoch;
+  creating the Loader to its last batch (what a user sees); **of proxy 0 ms**:
+  that rate over the same path's through the proxy at 0 ms, run for run (the
+  median of the repeats' ratios); **after the first batch**: from the first
+  batch to the end of the epoch;
 * **phases**: ms from creating the Loader to the first message of each kind
   (STARTUP, the control connection's REGISTER, PREPARE, the first EXECUTE:
   the split read, the first sample read) and to the first batch; the driver's
@@ -38,7 +40,12 @@ Per run:
   decoding, callbacks) and the engine loop's (``dataferry-engine``: issuing
   requests, which for sample reads is the hot path's binding and sending,
   ``schema/_cqlfast.py``, and batching); **set-up CPU** is the CPU before the
-  first batch.
+  first batch;
+* **the engine's window** over the run (``Loader.stats()``, from the first
+  ``get()``): requests, ids per request, the mean requests in flight (the
+  answered requests' latencies summed over the time), their mean latency,
+  the share of the time the engine had requests to send but its window or its
+  byte budget was full, and the share the consumer waited for a batch.
 
 ``--read-path`` measures the read side of one connection alone: ``--frames``
 frames of 110 KB (a sample's answer) written into a socket pair whose other end
@@ -60,7 +67,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ._common import prepared_store, stat_fields, table
+from ._common import loader_epoch, prepared_store, stat_fields, table
 
 DATASET = "bench"
 
@@ -104,7 +111,7 @@ def _thread_cpu() -> dict[str, float]:
 def measure(url: str, batch_size: int, path: str = "hot") -> dict:
     """One run in this process: a Loader on ``url``, one epoch (see the module docs); ``path``
     "driver" sends the sample reads through ``execute_async``, not the hot path."""
-    from dataferry.client import Loader
+    import dataferry.client  # noqa: F401 - imported before the clock starts, as a training script would
 
     if path == "driver":
         from dataferry.schema import _cassandra
@@ -115,18 +122,13 @@ def measure(url: str, batch_size: int, path: str = "hot") -> dict:
     sent, unhook = _count_messages()  # imports the driver (the Loader would, on creating it)
     import cassandra.cluster  # noqa: F401 - the rest of what opening a store imports
 
-    c0, t0 = time.process_time(), time.perf_counter()
-    samples = 0
-    with Loader(url, DATASET, batch_size=batch_size) as loader:
-        it = iter(loader)
-        first = len(next(it))
-        c1, t1 = time.process_time(), time.perf_counter()
+    def at_first():
         unhook()  # counted up to the first batch; the epoch's CPU is the Loader's alone
         threads0 = _thread_cpu()
-        for batch in it:
-            samples += len(batch)
-        c2, t2 = time.process_time(), time.perf_counter()
-        threads = {k: v - threads0.get(k, 0.0) for k, v in _thread_cpu().items()}
+        return lambda: {"threads": {k: v - threads0.get(k, 0.0) for k, v in _thread_cpu().items()}}
+
+    r = loader_epoch(url, DATASET, batch_size, at_first=at_first)
+    t0, t1, threads, samples = r.pop("t0"), r.pop("t1"), r.pop("threads"), r["samples"] - r["first_samples"]
     reads = [t for t, kind in sent if kind == "read"]
     before = [kind for t, kind in sent if t < (reads[0] if reads else t1)]
 
@@ -134,19 +136,14 @@ def measure(url: str, batch_size: int, path: str = "hot") -> dict:
         return next((t - t0 for t, k in sent if k == kind), float("nan"))
 
     return {
-        "first_batch_s": t1 - t0,
-        "import_s": t0 - i0,
+        **r,
+        "import_s": t0 - i0,  # the driver's import
         # when the first message of each kind was sent, from creating the Loader (see the RTT breakdown)
         "at_startup_s": at("StartupMessage"), "at_register_s": at("RegisterMessage"),
         "at_prepare_s": at("PrepareMessage"), "at_execute_s": at("ExecuteMessage"),
         "at_read_s": at("read"),
         "setup_requests": len(before),
         "connections": sum(1 for t, kind in sent if kind == "StartupMessage" and t < t1),
-        "samples": first + samples,
-        "total_per_s": (first + samples) / (t2 - t0),  # what a user sees: from creating the Loader to the end
-        "samples_per_s": samples / (t2 - t1) if t2 > t1 else 0.0,
-        "cpu_us_per_sample": (c2 - c1) / samples * 1e6 if samples else 0.0,
-        "setup_cpu_ms": (c1 - c0) * 1e3,
         # the driver's IO thread (libev's is "event_loop") and the engine's loop, per sample
         "io_us_per_sample": threads.get("event_loop", 0.0) / samples * 1e6 if samples else 0.0,
         "engine_us_per_sample": threads.get("dataferry-engine", 0.0) / samples * 1e6 if samples else 0.0,
@@ -165,8 +162,9 @@ def _run_child(url: str, batch_size: int, path: str) -> dict:
 
 
 def run(images: int, rtts: list[float], repeats: int, batch_size: int,
-        paths: Sequence[str] = ("hot",)) -> tuple[list[list[str]], list[list[str]]]:
-    """``(rows, phases)``: the table's rows, and when each step of the set-up began (medians)."""
+        paths: Sequence[str] = ("hot",)) -> tuple[list[list[str]], list[list[str]], list[list[str]]]:
+    """``(rows, phases, windows)``: the table's rows, when each step of the set-up began, and the engine's
+    window over the run (medians)."""
     from ._links import Condition, ProxyLink
     from ._loaders import with_options
 
@@ -189,7 +187,7 @@ def run(images: int, rtts: list[float], repeats: int, batch_size: int,
                       f"{r['total_per_s']:,.0f} samples/s from creating the Loader "
                       f"({r['samples_per_s']:,.0f}/s after the first batch), {r['cpu_us_per_sample']:.1f} us CPU/sample",
                       file=sys.stderr, flush=True)
-    rows, phases = [], []
+    rows, phases, windows = [], [], []
     for name, runs in results.items():
         def med(key):
             return statistics.median(r[key] for r in runs)
@@ -199,14 +197,20 @@ def run(images: int, rtts: list[float], repeats: int, batch_size: int,
                                                  "at_read_s", "first_batch_s"))])
 
         rtt = float(name.split()[1]) if name.startswith("proxy") else 0.0  # "proxy 100 ms[, driver path]"
+        # the same path at 0 ms through the proxy, run for run (the repeats are interleaved)
+        base = results.get(name.replace(f"proxy {rtt:g} ms", "proxy 0 ms")) if rtt else None
+        ratio = statistics.median(r["total_per_s"] / b["total_per_s"] for r, b in zip(runs, base)) if base else None
         rows.append([
             name, f"{med('first_batch_s'):.3f}", f"{med('first_batch_s') * 1e3 / rtt:.1f}" if rtt else "-",
             f"{med('setup_requests'):.0f}", f"{med('connections'):.0f}", f"{med('total_per_s'):,.0f}",
-            f"{med('samples_per_s'):,.0f}",
+            "-" if ratio is None else f"{ratio:.2f}", f"{med('samples_per_s'):,.0f}",
             f"{med('cpu_us_per_sample'):.1f}", f"{med('io_us_per_sample'):.0f}", f"{med('engine_us_per_sample'):.0f}",
             f"{med('setup_cpu_ms'):.0f}",
         ])
-    return rows, phases
+        windows.append([name, f"{med('requests'):.0f}", f"{med('ids_per_request'):.1f}", f"{med('mean_inflight'):.1f}",
+                        f"{med('latency_ms'):.0f}", *(f"{med(k):.2f}" for k in (
+                            "window_full_share", "budget_full_share", "wait_share"))])
+    return rows, phases, windows
 
 
 def _read_path_once(conn, handle_read, frames: int, buffer: int | None = None, size: int = 110_000) -> float:
@@ -301,14 +305,18 @@ def main(argv: list[str] | None = None) -> int:
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
     if not paths or set(paths) - {"hot", "driver"}:
         p.error(f"--paths: {args.paths!r}: name hot, driver or both")
-    rows, phases = run(args.images, rtts, args.repeats, args.batch_size, paths)
+    rows, phases, windows = run(args.images, rtts, args.repeats, args.batch_size, paths)
     print(f"median of {args.repeats} runs; {args.images} images, batch {args.batch_size}")
     print(table(["link", "first batch s", "first batch / RTT", "set-up requests", "connections",
-                 "samples/s from creating the Loader", "samples/s after the first batch", "CPU us/sample",
+                 "samples/s from creating the Loader", "of proxy 0 ms", "samples/s after the first batch",
+                 "CPU us/sample",
                  "of which driver IO thread", "engine thread", "set-up CPU ms"], rows))
     print("\nms from creating the Loader to the first message of each step (the driver's import is before it)")
     print(table(["link", "driver import ms", "STARTUPs", "REGISTER (control)", "PREPAREs", "split read",
                  "first sample read", "first batch"], phases))
+    print("\nthe engine's window over the run, from creating the Loader (Loader.stats(): shares of the time)")
+    print(table(["link", "requests", "ids per request", "mean in flight", "request latency ms", "window full",
+                 "byte budget full", "consumer waited"], windows))
     return 0
 
 
