@@ -26,8 +26,9 @@ Every URL is the store's own with no options: the default consistency
   batch, the client's CPU per sample after the first batch (as ``cql_path``),
   and the server's (every worker: ``_common.process_cpu_s``) and the nodes'
   CPU per sample served, over the child's whole run (its start-up included:
-  the server and the nodes idle meanwhile), with the engine's mean requests in
-  flight and their latency.
+  the server and the nodes idle meanwhile: the nodes' idle CPU, measured
+  before, is printed), with the engine's mean requests in flight and their
+  latency.
 
 Direct CQL to a cluster through the proxy is not measured: the driver learns
 the nodes' own addresses from ``system.peers`` and opens its pools to them past
@@ -130,6 +131,14 @@ def serve_once(store: Store, server, url: str, batch_size: int) -> dict:
     return r
 
 
+def _idle_cpu(store: Store, seconds: float = 5.0) -> float:
+    """Milliseconds of CPU per second the store's nodes use with nothing asked of them (gossip,
+    compaction of the ingests): part of every run's nodes' figure."""
+    n0, t0 = store.cpu_s(), time.perf_counter()
+    time.sleep(seconds)
+    return (store.cpu_s() - n0) / (time.perf_counter() - t0) * 1e3
+
+
 def _med(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -177,6 +186,9 @@ def run(args: argparse.Namespace) -> list[str]:
                            "nodes' CPU us/sample"], rows)]
 
         if "serve" in parts:
+            idle = {s.name: _idle_cpu(s) for s in stores}
+            out.append("\nthe nodes idle (before the service starts): " + ", ".join(
+                f"{name} {ms:.0f} ms CPU/s" for name, ms in idle.items()))
             served: dict[tuple[str, float], list[dict]] = {}
             servers = {s.name: stack.enter_context(data_server(s.url(keyspace[s.name]),
                                                                args=("--workers", str(args.workers))))
