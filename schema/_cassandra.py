@@ -551,6 +551,24 @@ class CassandraStore:
         if head is not None:
             await self._run_all("del_chunk", ((dataset, split, c) for c in range(head[1])), what)
 
+    # --- many samples' metadata (derived splits) --------------------------------------
+    async def scan_meta(self, dataset: str, ids: Sequence[int], *,
+                        fields: Collection[str] | None = None) -> AsyncIterator[list[SampleMeta]]:
+        """The metadata of the committed ones among ``ids``, a page at a time, in no order; fields
+        not in ``fields`` are None. A token-range scan or reads by id, whichever costs less
+        (``_cqlscan.meta_pages``)."""
+        from . import _cqlscan
+
+        async def rows() -> int:  # the keyspace's metadata rows, as the datasets count them
+            return sum(d.num_samples for d in await self.list_datasets())
+
+        pages = _cqlscan.meta_pages(self._session, self._opts.keyspace, dataset, ids, fields=fields,
+                                    timeout=self._opts.request_timeout, error=self._error, by_id=self.read_meta,
+                                    rows=rows)
+        async with aclosing(pages):
+            async for page in pages:
+                yield page
+
     # --- lifetime ------------------------------------------------------------------------
     async def close(self) -> None:
         if self._closed:

@@ -10,12 +10,12 @@ split. Each split lists its ids sorted.
 
 from __future__ import annotations
 
-import asyncio
 import datetime as _dt
 import hashlib
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -23,7 +23,10 @@ import numpy as np
 from ._errors import ConfigError, SplitNotFound
 from ._model import ALL_SPLIT, IdList, check_name
 
-__all__ = ["make_splits", "parse_ratios", "split_counts", "DerivedSplit", "derive_split", "content_hash", "derived_name"]
+__all__ = [
+    "make_splits", "parse_ratios", "split_counts", "DerivedSplit", "derive_split", "content_hash", "derived_name",
+    "filter_fields",
+]
 
 _TOLERANCE = 1e-6
 
@@ -116,12 +119,6 @@ def make_splits(
 
 
 # --- derived splits ------------------------------------------------------------------------------
-#: ids per metadata read, and how many such reads run at once (so the store's
-#: pipeline never drains between chunks; the store bounds its own requests)
-_META_CHUNK = 4096
-_META_CHUNKS_AT_ONCE = 4
-
-
 def content_hash(idlist: IdList) -> str:
     """A split's content in 32 hex digits: its ids and labels, in stored order."""
     h = hashlib.blake2b(digest_size=16)
@@ -169,7 +166,7 @@ def derived_name(canonical: str, parent: str) -> str:
 
 async def derive_split(
     store, dataset: str, where: str, *, name: str | None = None, parent: str = ALL_SPLIT,
-    progress: bool | None = None,
+    progress: bool | None = None, on_progress: Callable[[int, int], None] | None = None,
 ) -> DerivedSplit:
     """The split of ``parent``'s samples whose metadata match ``where``, stored as ``name``.
 
@@ -178,7 +175,12 @@ async def derive_split(
     (``reused``); otherwise the metadata is read and the split (re)written. A
     name held by a split that is not derived (``all``, ``train`` from
     ``dataferry split --ratios``) is refused. ``progress``: a tqdm bar on
-    stderr; ``None`` shows it when stderr is a TTY.
+    stderr; ``None`` shows it when stderr is a TTY. ``on_progress(done, total)``: called
+    after each page of metadata, ``done`` of the parent's ``total`` samples found so far.
+
+    The metadata is read by ``store.scan_meta(dataset, ids, fields=...)``, a page at a
+    time: the seam every store implements for this (SQLite by id, Cassandra by
+    token-range scans or by id, whichever is cheaper for the parent's size).
     """
     from ._filter import compile_filter, parse_filter
 
@@ -204,7 +206,8 @@ async def derive_split(
         if current is not None and content_hash(current) == old.content_hash:
             return replace(old, reused=True)
     keep = compile_filter(flt, info.label_names)
-    picked = await _select(store, dataset, source, keep, progress, f"filter {dataset}/{parent}")
+    picked = await _select(store, dataset, source, keep, filter_fields(flt), progress, f"filter {dataset}/{parent}",
+                           on_progress)
     picked = IdList(source.ids[picked], source.labels[picked])
     order = np.argsort(picked.ids, kind="stable")
     result = IdList(picked.ids[order], picked.labels[order])
@@ -228,42 +231,47 @@ def _canonical(where: str) -> str | None:
         return None
 
 
-async def _select(store, dataset: str, source: IdList, keep, progress: bool | None, desc: str) -> np.ndarray:
-    """Positions in ``source`` whose metadata ``keep`` accepts (a sample without metadata is not kept)."""
+async def _select(store, dataset: str, source: IdList, keep, fields: frozenset[str], progress: bool | None,
+                  desc: str, on_progress: Callable[[int, int], None] | None) -> np.ndarray:
+    """Positions in ``source`` whose metadata ``keep`` accepts (a sample without metadata is not kept).
+
+    The metadata comes from ``store.scan_meta`` a page at a time (each backend reads
+    its fastest way); only the ids kept are held, one array per page."""
     from tqdm import tqdm
 
     show = sys.stderr.isatty() if progress is None else progress
-    ids = source.ids.tolist()
-    starts = range(0, len(ids), _META_CHUNK)
-    mask = np.zeros(len(ids), dtype=bool)
-    bar = tqdm(total=len(ids), unit="samples", file=sys.stderr, disable=not show, desc=desc, leave=False)
-
-    async def one(start: int) -> None:
-        chunk = ids[start : start + _META_CHUNK]
-        metas = await store.read_meta(dataset, chunk)
-        for k, i in enumerate(chunk):
-            m = metas.get(i)
-            if m is not None and keep(m):
-                mask[start + k] = True
-        bar.update(len(chunk))
-
+    total = len(source)
+    kept: list[np.ndarray] = []
+    seen = 0
+    bar = tqdm(total=total, unit="samples", file=sys.stderr, disable=not show, desc=desc, leave=False)
     try:
-        pending: set[asyncio.Task] = set()
-        for start in starts:
-            if len(pending) >= _META_CHUNKS_AT_ONCE:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
-                    t.result()
-            pending.add(asyncio.ensure_future(one(start)))
-        if pending:
-            done, _ = await asyncio.wait(pending)
-            for t in done:
-                t.result()
-            pending = set()
+        async with aclosing(store.scan_meta(dataset, source.ids, fields=fields)) as pages:
+            async for page in pages:
+                kept.append(np.fromiter((m.id for m in page if keep(m)), dtype=np.int64))
+                seen += len(page)
+                bar.update(len(page))
+                if on_progress is not None:
+                    on_progress(seen, total)
     finally:
-        for t in pending:
-            t.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
         bar.close()
-    return np.flatnonzero(mask)
+    if not kept:
+        return np.empty(0, dtype=np.int64)
+    return np.flatnonzero(np.isin(source.ids, np.concatenate(kept)))
+
+
+def filter_fields(flt) -> frozenset[str]:
+    """The ``SampleMeta`` fields a parsed filter reads (``label_name`` reads ``label``, ``tags.KEY`` ``tags``)."""
+    from ._filter import And, Not, Or
+
+    out: set[str] = set()
+    todo = [flt.root]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (And, Or)):
+            todo.extend(node.items)
+        elif isinstance(node, Not):
+            todo.append(node.item)
+        else:
+            f = node.field
+            out.add("tags" if f.tag is not None else "label" if f.name == "label_name" else f.name)
+    return frozenset(out)

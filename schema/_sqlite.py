@@ -66,6 +66,7 @@ CREATE TABLE IF NOT EXISTS derived_splits (
 _DDL += _DERIVED_DDL
 
 _IN_LIMIT = 500  # ids per "IN (...)" for catalog-side lookups
+_SCAN_PAGE = 4096  # ids per page of scan_meta
 #: page cache per reader connection (SQLite's default is 2000 KiB). A sample
 #: read fills the cache with its blob's overflow pages, read once an epoch and
 #: never again from this cache, so a large cache only holds dead blobs outside
@@ -403,6 +404,17 @@ class SqliteStore:
             c.execute("DELETE FROM splits WHERE dataset=? AND split=?", (dataset, split))
 
         await self._write(w)
+
+    # --- many samples' metadata (derived splits) -------------------------------------
+    async def scan_meta(self, dataset: str, ids: Sequence[int], *,
+                        fields: Collection[str] | None = None) -> AsyncIterator[list[SampleMeta]]:
+        """The metadata of the committed ones among ``ids`` (each once), a page of
+        ``_SCAN_PAGE`` ids at a time; every field is read (``fields`` is a hint)."""
+        import numpy as np
+
+        wanted = np.unique(np.asarray(ids, dtype=np.int64))
+        for start in range(0, len(wanted), _SCAN_PAGE):
+            yield list((await self.read_meta(dataset, wanted[start : start + _SCAN_PAGE].tolist())).values())
 
     # --- lifetime --------------------------------------------------------------
     async def close(self) -> None:
