@@ -52,6 +52,7 @@ the server's reader: the client sends the file's first token.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as _dt
 import json
 import ssl
@@ -131,11 +132,14 @@ class HttpOptions:
     #: bytes of one receive arena: samples are read many at a time into arenas
     #: (``_buffers.py``); one sample kept after its batch keeps its arena from reuse
     arena: int = ARENA
+    #: seconds ``derive_split`` waits for the service's derive job in all (its polls included)
+    derive_timeout: float = 3600.0
 
     def __post_init__(self) -> None:
         _check(self.connections >= 1, f"connections must be >= 1, not {self.connections}")
         _check(self.request_size >= 1, f"request_size must be >= 1, not {self.request_size}")
-        _check(min(self.connect_timeout, self.read_timeout, self.keepalive) > 0, "timeouts must be > 0")
+        _check(min(self.connect_timeout, self.read_timeout, self.keepalive, self.derive_timeout) > 0,
+               "timeouts must be > 0")
         _check(self.read_buffer >= 1 << 14, "read_buffer must be at least 16 KiB")
         _check(self.max_record_bytes >= 1 << 16, "max_record_bytes must be at least 64 KiB")
         _check(self.spare_buffers >= 0, f"spare_buffers must be >= 0, not {self.spare_buffers}")
@@ -160,6 +164,20 @@ class RequestRejected(DataferryError):
 
 def _rejected(message: str, status: int, error: str, detail: str) -> RequestRejected:
     return RequestRejected("", status, error, detail, message=message)
+
+
+#: the longest a derive's request asks the service to hold its answer (seconds; at most half the read timeout)
+_MAX_POLL_WAIT = 10.0
+#: times a derive job the service forgot (it restarted) is started again
+_DERIVE_RESTARTS = 3
+
+
+def _derive_label(dataset: str, where: str, name: str | None, parent: str) -> str:
+    """``derive split 'x' of pets/all where 'width > 3'``: the filter on one line, cut at 160 characters."""
+    text = " ".join(where.split())
+    text = text if len(text) <= 160 else text[:157] + "..."
+    named = f"split {name!r}" if name else "a split"
+    return f"derive {named} of {dataset}/{parent} where {text!r}"
 
 
 #: statuses a proxy or balancer answers while the service behind it is down or restarting
@@ -307,20 +325,116 @@ class HttpSource:
         except WireFormatError as exc:
             raise StoreError(f"{self.url}: corrupt response to {what}: {exc}") from exc
 
-    async def derive_split(self, dataset: str, where: str, *, name: str | None = None, parent: str = "all"):
-        """``POST /v1/datasets/{dataset}/splits``: the service derives (or reuses) the split of
-        ``parent`` whose metadata match ``where``; its ``DerivedSplit`` record (``schema/_splits.py``).
-        The service must answer within ``read_timeout``: raise it for a big dataset on a slow store."""
+    async def derive_split(self, dataset: str, where: str, *, name: str | None = None, parent: str = "all",
+                           progress: bool | None = None, timeout: float | None = None):
+        """The split of ``parent`` whose metadata match ``where``, derived (or reused) by the service:
+        its ``DerivedSplit`` record (``schema/_splits.py``).
+
+        The service runs the derive as a job (``server/_derive.py``). The POST asks for an answer
+        within half the read timeout (``Prefer: respond-async, wait=N``, N at most 10 s): the record
+        when the job is quick, else 202 and the job, which is then asked after (``GET`` its
+        location, each answer held up to N s until it ends) with a tqdm bar of the samples read
+        on stderr (``progress``; None: when stderr is a TTY). A job the service forgot (it
+        restarted) is started again. It waits at most ``timeout`` seconds in all (default
+        ``HttpOptions.derive_timeout``), then raises StoreTimeout; the job goes on in the
+        service, and asking again joins it. A failed job raises one line naming the dataset,
+        the filter and the cause: RequestRejected (409: the name is taken), StoreTimeout or
+        StoreUnavailable (the store), StoreError (anything else); an unknown dataset or parent
+        is DatasetNotFound or SplitNotFound, a malformed request RequestRejected (400).
+        """
+        import sys
+
+        from tqdm import tqdm
+
         from dataferry.schema._splits import DerivedSplit
 
-        what = f"derive a split of {dataset}/{parent}"
-        path = self._path(dataset, "splits")
-        body = json.dumps({"where": where, "from": parent, **({"name": name} if name is not None else {})}).encode()
-        raw = await self._read("POST", path, "application/json", what, json_body=body, dataset=dataset, split=parent)
+        bound = self.options.derive_timeout if timeout is None else timeout
+        wait = min(_MAX_POLL_WAIT, self.options.read_timeout / 2)
+        label = _derive_label(dataset, where, name, parent)
+        post = json.dumps({"where": where, "from": parent, **({"name": name} if name is not None else {})}).encode()
+        show = sys.stderr.isatty() if progress is None else progress
+        bar = tqdm(unit="samples", file=sys.stderr, disable=not show, desc=f"derive {dataset}/{parent}", leave=False)
+        restarts = 0
         try:
-            return DerivedSplit.from_json(json.loads(raw))
+            async with asyncio.timeout(bound) as deadline:
+                status, doc = await self._derive_call("POST", self._path(dataset, "splits"), wait, post, label,
+                                                      dataset, parent)
+                while status == 202:
+                    bar.total = doc.get("total") or bar.total
+                    bar.update(max(0, int(doc.get("done") or 0) - bar.n))
+                    if doc.get("state") == "failed":
+                        raise self._derive_failed(int(doc.get("status") or 500), str(doc.get("error")),
+                                                  str(doc.get("detail")), label)
+                    if doc.get("state") == "done":
+                        doc = doc.get("record")
+                        break
+                    job = str(doc.get("job", ""))
+                    try:
+                        status, doc = await self._derive_call("GET", self._path(dataset, "split-jobs", job), wait,
+                                                              None, label, dataset, parent)
+                    except RequestRejected as exc:
+                        if exc.error != "job_not_found" or restarts >= _DERIVE_RESTARTS:
+                            raise
+                        restarts += 1  # the service forgot the job (it restarted): start it again
+                        status, doc = await self._derive_call("POST", self._path(dataset, "splits"), wait, post,
+                                                              label, dataset, parent)
+                    else:
+                        status = 202  # a job's document, whatever its state
+        except TimeoutError as exc:
+            if not deadline.expired():
+                raise  # a request's own timeout, translated already
+            raise StoreTimeout(f"{self.url}: {label} did not finish within {bound:g} s ({bar.n} samples read); "
+                               "the service goes on with it: ask again to wait for it") from exc
+        finally:
+            bar.close()
+        try:
+            return DerivedSplit.from_json(doc)
         except (KeyError, TypeError, ValueError) as exc:
-            raise StoreError(f"{self.url}: malformed answer to {what}: {exc!r}") from exc
+            raise StoreError(f"{self.url}: malformed answer to {label}: {exc!r}") from exc
+
+    async def _derive_call(self, method: str, path: str, wait: float, body: bytes | None, label: str,
+                           dataset: str, parent: str) -> tuple[int, dict]:
+        """One request of a derive: ``(status, JSON document)`` of a 200 or 202; errors raised, a job's
+        failure naming ``label``."""
+        head = f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._headers}Prefer: respond-async, wait={wait:g}\r\n"
+        if body is None:
+            request = (head + "\r\n").encode("latin-1")
+        else:
+            request = (head + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                       ).encode("latin-1") + body
+        try:
+            async with self._open_pool().exchange(request, "application/json", collector()) as conn:
+                status = conn.head.status
+                if status in (200, 202) and conn.head.content_type == "application/json":
+                    raw = await read_body(conn)
+                    try:
+                        doc = json.loads(raw)
+                    except ValueError as exc:
+                        raise StoreError(f"{self.url}: {label}: the answer is not JSON") from exc
+                    if not isinstance(doc, dict):
+                        raise StoreError(f"{self.url}: {label}: the answer is not a JSON object")
+                    return status, doc
+                error = await self._error_doc(conn) if status == 409 or status >= 500 else None
+                if error is not None:  # the job's own failure (the request was fine)
+                    raise self._derive_failed(status, error[0], error[1], label)
+                await self._check_response(conn, method, path, "application/json", label, dataset=dataset,
+                                           split=parent)
+                raise StoreError(f"{self.url}: {label}: unexpected HTTP {status}")
+        except DataferryError:
+            raise  # translated already (a StoreTimeout is a TimeoutError too)
+        except _TRANSPORT_ERRORS as exc:
+            raise self._translate(exc, label) from exc
+
+    def _derive_failed(self, status: int, error: str, detail: str, label: str) -> DataferryError:
+        """A derive job's failure, one line naming the dataset and the filter."""
+        message = f"{self.url}: {label} failed ({status} {error}): {' '.join(detail.split())}"
+        if status == 409 or 400 <= status < 500:
+            return RequestRejected(self.url, status, error, detail, message=message)
+        if error == "store_timeout":
+            return StoreTimeout(message)
+        if status == 503:
+            return StoreUnavailable(message)
+        return StoreError(message)
 
     # --- plumbing ----------------------------------------------------------------------
     def _open_pool(self) -> Pool:

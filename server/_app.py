@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from dataferry.schema import Store, open_store
 from dataferry.schema._url import redact_url
 
+from ._derive import add_derive_jobs
 from ._gate import StoreGate
 from ._keys import GATE, LIMIT, METRICS, OPTIONS, REGISTRY
 from ._metrics import Metrics, new_registry, shared_registry
@@ -52,6 +53,7 @@ def make_app(store: Store | str, options: ServerOptions = ServerOptions(), *,
         # the values live in metrics_dir's files; this registry only keeps the names apart
         app[METRICS] = Metrics.register(CollectorRegistry())
     app.cleanup_ctx.append(_store_context(store))
+    add_derive_jobs(app)  # after the store's context: jobs end before the store closes
     app.router.add_routes(routes)
     return app
 

@@ -15,7 +15,7 @@ from dataferry.schema._wire import IDLIST_TYPE, idlist_header, idlist_parts
 from dataferry.schema import DatasetInfo
 from dataferry.schema._errors import StoreError
 
-from ._derive import create_split
+from ._derive import create_split, get_split_job
 from ._errors import JSON_TYPE, error_body
 from ._keys import GATE, METRICS, REGISTRY
 from ._metrics import CONTENT_TYPE as METRICS_TYPE
@@ -84,8 +84,9 @@ async def read_split(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-# a derived split from a metadata filter (``_derive.py``)
+# a derived split from a metadata filter, as a job (``_derive.py``)
 routes.post("/v1/datasets/{name}/splits")(create_split)
+routes.get("/v1/datasets/{name}/split-jobs/{job}", allow_head=False)(get_split_job)
 
 
 # --- batch fetch -------------------------------------------------------------------------
