@@ -112,6 +112,7 @@ def token_ranges(cluster, keyspace: str, n: int) -> list[tuple[int, int, tuple]]
     pieces += [(a, b, owners[b]) for a, b in zip(ring, ring[1:])]
     if ring[-1] != _MAX_TOKEN:
         pieces.append((ring[-1], _MAX_TOKEN, owners[ring[0]]))
+    pieces = [p for p in pieces if p[0] < p[1]]  # (MIN, MIN] when a node holds the lowest token
     per = -(-n // len(pieces))  # each piece cut in this many
     out = []
     for start, end, hosts in pieces:
@@ -175,7 +176,9 @@ async def _by_id(dataset: str, wanted: np.ndarray, by_id, options: ScanOptions) 
                 return
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                yield list(task.result().values())
+                page = list(task.result().values())
+                if page:
+                    yield page
     finally:
         for task in pending:
             task.cancel()
@@ -247,6 +250,7 @@ class _Scan:
                             raise err from (None if err is exc else exc)
                         live[k] = self.send(ps, k, spans[k], states[k], tries[k])
                         continue
+                    tries.pop(k, None)  # retries count per page
                     if state is not None:
                         states[k] = state
                         rf.start_fetching_next_page()  # asked before this page is handed on

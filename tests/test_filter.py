@@ -579,3 +579,204 @@ def test_cli_bad_filter_is_one_line_and_a_caret(tmp_path, capsys):
     assert err[0] == "dataferry: error: filter: expected a value for label_name, found 'cat' at position 29"
     assert err[1] == "  width >= 3 and label_name = cat" and err[2] == "  " + " " * 28 + "^"
     assert not (tmp_path / "none.db").exists()  # nothing opened
+
+
+# --- Cassandra: token-range scans select what reads by id select -------------------------------------
+def _parents(rows_a: list[SampleMeta], strays: list[int]) -> dict[str, IdList]:
+    """``all``: every sample of ``a`` plus ids without metadata in ``a`` (``strays``: some are
+    ``b``'s ids); ``half``: every other one of those, a subset."""
+    ids = [m.id for m in rows_a] + strays
+    labels = [m.label for m in rows_a] + [0] * len(strays)
+    return {"all": IdList(ids, labels), "half": IdList(ids[::2], labels[::2])}
+
+
+async def _fill_two(store, a: str, b: str) -> tuple[list[SampleMeta], dict[str, IdList]]:
+    rows_a, rows_b = metas(a, 1200, seed=5), metas(b, 700, seed=6)
+    await fill(store, a, rows_a)
+    await fill(store, b, rows_b)
+    strays = [m.id for m in rows_b[:25]] + [sample_id(a, f"never/{k}.jpg") for k in range(25)]
+    parents = _parents(rows_a, strays)
+    for split, idlist in parents.items():
+        await store.put_split(a, split, idlist)
+    return rows_a, parents
+
+
+def _reference(rows: list[SampleMeta], parent: IdList, text: str) -> list[int]:
+    by_id = {m.id: m for m in rows}
+    return sorted(i for i in parent.ids.tolist() if i in by_id and FILTERS[text](by_id[i]))
+
+
+@pytest.mark.cassandra
+def test_token_range_scans_select_exactly_what_reads_by_id_select(cassandra_url, tmp_path):
+    from dataferry.schema._cqlscan import ScanOptions, meta_pages
+    from dataferry.schema._splits import filter_fields
+
+    a, b = f"scan_a_{uuid.uuid4().hex[:8]}", f"scan_b_{uuid.uuid4().hex[:8]}"  # two datasets, one keyspace
+    sqlite_url = f"sqlite://{tmp_path / 'same.db'}"
+
+    async def select(store, dataset, parent, text, *, scan, options=ScanOptions(), fields=None):
+        keep = compile_filter(parse_filter(text), LABELS)
+        seen, kept = [], []
+        pages = meta_pages(store._session, store._opts.keyspace, dataset, parent.ids, fields=fields, timeout=10,
+                           error=store._error, by_id=store.read_meta, rows=None, options=options, scan=scan)
+        async for page in pages:
+            seen += [m.id for m in page]
+            kept += [m.id for m in page if keep(m)]
+        assert len(seen) == len(set(seen))  # each id once
+        return sorted(kept), set(seen)
+
+    async def go():
+        out = {}
+        async with await open_store(cassandra_url) as store, await open_store(sqlite_url) as lite:
+            rows_a, parents = await _fill_two(store, a, b)
+            await _fill_two(lite, a, b)
+            small = ScanOptions(ranges=7, concurrency=3, page_size=37)  # many pages, ranges cut inside the ring's
+            for split, parent in parents.items():
+                for text in FILTERS:
+                    fields = filter_fields(parse_filter(text))
+                    by_id, found = await select(store, a, parent, text, scan=False)
+                    scanned, found_scan = await select(store, a, parent, text, scan=True, fields=fields)
+                    paged, _ = await select(store, a, parent, text, scan=True, options=small)
+                    assert found_scan == found  # the same metadata rows found, the strays in neither
+                    out[split, text] = (by_id, scanned, paged)
+                rec = await derive_split(store, a, WHERE, name=f"w-{split}", parent=split, progress=False)
+                lite_rec = await derive_split(lite, a, WHERE, name=f"w-{split}", parent=split, progress=False)
+                got = (await store.read_split(a, rec.name)).ids.tolist()
+                assert got == (await lite.read_split(a, lite_rec.name)).ids.tolist()
+                assert rec.content_hash == lite_rec.content_hash
+                out[split, "derived"] = got
+            return rows_a, parents, out
+
+    rows_a, parents, out = run(go())
+    strays = set(parents["all"].ids.tolist()[1200:])
+    for (split, text), got in out.items():
+        if text == "derived":
+            keep = compile_filter(parse_filter(WHERE), LABELS)
+            by_id = {m.id: m for m in rows_a}
+            assert got == sorted(i for i in parents[split].ids.tolist() if i in by_id and keep(by_id[i]))
+            continue
+        want = _reference(rows_a, parents[split], text)
+        assert got[0] == got[1] == got[2] == want, (split, text)
+        assert not strays & set(want)
+    assert len(parents["half"]) < len(parents["all"]) and out["half", "derived"]
+
+
+@pytest.mark.cassandra
+def test_token_ranges_cover_the_ring_once_and_small_parents_are_read_by_id(cassandra_url):
+    from dataferry.schema._cqlscan import meta_pages, token_ranges
+
+    async def go():
+        async with await open_store(cassandra_url) as store:
+            await asyncio.to_thread(store._cluster.refresh_keyspace_metadata, store._opts.keyspace)
+            ranges = token_ranges(store._cluster, store._opts.keyspace, 100)
+            asked = []
+
+            async def by_id(dataset, ids):
+                asked.append(len(ids))
+                return await store.read_meta(dataset, ids)
+
+            async def rows():
+                return 10**9  # a keyspace far bigger than 3 ids: read them by id
+
+            got = [p async for p in meta_pages(store._session, store._opts.keyspace, "nope", [1, 2, 3], fields=None,
+                                               timeout=10, error=store._error, by_id=by_id, rows=rows)]
+            return ranges, asked, got
+
+    ranges, asked, got = run(go())
+    assert len(ranges) >= 100
+    assert ranges[0][0] == -(2**63) and ranges[-1][1] == 2**63 - 1
+    assert all(r[1] == s[0] and r[0] < r[1] for r, s in zip(ranges, ranges[1:]))  # contiguous, disjoint
+    assert all(r[2] for r in ranges)  # each with its replicas (the session's node)
+    assert asked == [3] and got == []
+
+
+class _Failed:
+    """A request answered by an error at once (what the driver does on a timeout)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def add_callbacks(self, callback, errback, callback_args=(), errback_args=()):
+        errback(self.exc, *errback_args)
+
+
+class _FlakyPages:
+    """The driver's ResponseFuture, whose next-page request fails once per session (it times out)."""
+
+    def __init__(self, inner, session) -> None:
+        self.inner, self.session = inner, session
+        self._errback = None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def add_callbacks(self, callback, errback, callback_args=(), errback_args=()):
+        self._errback = lambda exc: errback(exc, *errback_args)
+        self.inner.add_callbacks(callback, errback, callback_args=callback_args, errback_args=errback_args)
+
+    def start_fetching_next_page(self):
+        if not self.session.next_failed:
+            from cassandra import OperationTimedOut
+
+            self.session.next_failed = True
+            self._errback(OperationTimedOut("test: the next page timed out"))
+            return
+        self.inner.start_fetching_next_page()
+
+
+class FlakySession:
+    """The driver's session for a scan: the first request of each range, and one next-page request,
+    fail with a timeout (``always``: every request fails)."""
+
+    def __init__(self, inner, *, always: bool = False) -> None:
+        self.inner, self.cluster, self.always = inner, inner.cluster, always
+        self.first_failed: set = set()
+        self.next_failed = False
+        self.resumed = 0
+
+    def prepare(self, query):
+        return self.inner.prepare(query)
+
+    def execute_async(self, ps, params, **kw):
+        from cassandra import OperationTimedOut
+
+        if self.always or (kw.get("paging_state") is None and params[:2] not in self.first_failed):
+            self.first_failed.add(params[:2])
+            return _Failed(OperationTimedOut("test: the first page timed out"))
+        self.resumed += kw.get("paging_state") is not None
+        return _FlakyPages(self.inner.execute_async(ps, params, **kw), self)
+
+
+@pytest.mark.cassandra
+def test_a_scan_asks_a_failed_page_again_from_where_it_stopped(cassandra_url):
+    from dataferry.schema._cqlscan import ScanOptions, meta_pages
+
+    a, b = f"flaky_a_{uuid.uuid4().hex[:8]}", f"flaky_b_{uuid.uuid4().hex[:8]}"
+
+    async def go():
+        async with await open_store(cassandra_url) as store:
+            rows_a, parents = await _fill_two(store, a, b)
+            flaky = FlakySession(store._session)
+            options = ScanOptions(ranges=4, concurrency=2, page_size=50, retries=1)
+            seen = [m.id async for page in meta_pages(flaky, store._opts.keyspace, a, parents["all"].ids,
+                                                      fields=("width",), timeout=10, error=store._error, by_id=None,
+                                                      rows=None, options=options, scan=True) for m in page]
+            broken = FlakySession(store._session, always=True)
+            with pytest.raises(StoreError) as info:
+                async for _ in meta_pages(broken, store._opts.keyspace, a, parents["all"].ids, fields=None, timeout=10,
+                                          error=store._error, by_id=None, rows=None, options=options, scan=True):
+                    pass
+            return rows_a, seen, flaky, info.value
+
+    rows_a, seen, flaky, err = run(go())
+    assert sorted(seen) == sorted(m.id for m in rows_a)  # every row once: no page lost, none read twice
+    assert flaky.next_failed and flaky.resumed >= 1  # a page resumed from its paging state
+    assert f"scan metadata of dataset 'flaky_a_" in str(err) and "timed out" in str(err) and "\n" not in str(err)
+
+
+def test_token_ranges_without_the_ring_cut_it_evenly():
+    from dataferry.schema._cqlscan import token_ranges
+
+    ranges = token_ranges(types.SimpleNamespace(metadata=None), "ks", 10)
+    assert len(ranges) == 10 and ranges[0][0] == -(2**63) and ranges[-1][1] == 2**63 - 1
+    assert all(r[1] == s[0] for r, s in zip(ranges, ranges[1:])) and all(r[2] == () for r in ranges)
