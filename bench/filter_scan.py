@@ -1,16 +1,26 @@
-"""How long a metadata filter takes on Cassandra, next to one full metadata read.
+"""How long a metadata filter takes on Cassandra: token-range scans next to reads by id.
 
-``python -m dataferry.bench.filter_scan [--samples 100000] [--store URL] [--repeats 3]``
+``python -m dataferry.bench.filter_scan [--samples 1281167] [--nodes 3] [--repeats 3]``
 
-Without ``--store`` it starts a throwaway Apache Cassandra 1.2 (``DevCassandra``)
-and applies the schema. It writes ``--samples`` samples with varied metadata
-(tiny sample bytes: only metadata is read), then, ``--repeats`` times,
-alternating: one full metadata read (``read_meta`` of every id in ``all``,
-the store's own concurrency) and ``derive_split`` with a filter under a fresh
-name (the id list, the metadata, the predicate, the split written back), with
-its progress bar on stderr. It prints the medians, their ratio and the time of
-a reused derived split (same filter, data unchanged). Nothing here asserts a
-time.
+Without ``--store`` it starts a throwaway Apache Cassandra 5.0 cluster of
+``--nodes`` nodes on 127.0.0.1.. (``DevCluster``, ``--heap`` each) and applies
+the schema with replication ``SimpleStrategy:min(3, nodes)``. It writes
+``--samples`` samples of ImageNet-like metadata (1,000 classes, tiny sample
+bytes: only metadata is read) the fast way, unlogged batches of rows at high
+concurrency, each batch's ``samples`` rows before its ``sample_meta`` rows, then
+the dataset row and the ``all`` split as ingest does. ``--store URL --dataset
+NAME`` times a dataset already there instead.
+
+Then, ``--repeats`` times: ``derive_split`` with a filter under a fresh name
+(the id list, the metadata by ``scan_meta``'s own choice, the predicate, the
+split written back), and one token-range scan of every metadata column
+(``_cqlscan``, no predicate). Once: reads by id (``read_meta``, 4,096 ids a
+call, 4 calls at once, as derived splits read before the scan) of the first
+``--by-id`` ids, whose rate is extrapolated to all samples and labelled so.
+``--variants`` adds one scan per variant of ``ScanOptions`` (columns,
+concurrency, page size, ranges, routing, dataset test on the replicas). It
+prints wall times (medians), samples/s and the machine's load. Nothing here
+asserts a time.
 """
 
 from __future__ import annotations
@@ -18,101 +28,221 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import hashlib
+import os
+import platform
 import statistics
 import sys
 import time
 import uuid
 
-from dataferry.schema import DatasetInfo, IdList, Sample, SampleMeta, SampleRecord, open_store, sample_id
+import numpy as np
 
-WHERE = 'width >= 512 and (label_name in ("c1", "c3") or tags.source = "lab") and not path glob "*/sub/**"'
-_LABELS = tuple(f"c{k}" for k in range(10))
+from dataferry.schema import DatasetInfo, IdList, open_store, parse_store_url, sample_id
+
+WHERE = 'width >= 512 and (label_name in ("n00000001", "n00000003") or tags.source = "lab") and not path glob "*/sub/**"'
+LABELS = tuple(f"n{k:08d}" for k in range(1000))
+_BATCH_ROWS = 32  # rows per unlogged batch
+_BATCHES_AT_ONCE = 64
+_STEP = 20_000  # samples made and written at a time
 
 
-def _records(dataset: str, n: int):
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    labels = rng.integers(0, len(_LABELS), n)
-    sides = rng.integers(16, 2048, (n, 2))
-    for k in range(n):
-        lab = int(labels[k])
-        path = f"{_LABELS[lab]}/{'sub/' if k % 4 == 0 else ''}{k}.jpg"
-        sid = sample_id(dataset, path)
+def _rows(dataset: str, start: int, stop: int, rng) -> tuple[list[tuple], list[tuple], np.ndarray, np.ndarray]:
+    """``samples`` and ``sample_meta`` rows of samples ``start..stop``, and their ids and labels."""
+    n = stop - start
+    labels = rng.integers(0, len(LABELS), n)
+    sides = rng.integers(64, 2048, (n, 2))
+    sizes = rng.integers(20_000, 300_000, n)
+    samples, metas, ids = [], [], np.empty(n, dtype=np.int64)
+    for j in range(n):
+        k, lab = start + j, int(labels[j])
+        path = f"{LABELS[lab]}/{'sub/' if k % 4 == 0 else ''}{LABELS[lab]}_{k}.JPEG"
+        sid = ids[j] = sample_id(dataset, path)
         tags = {} if k % 3 == 0 else {"source": ("web", "lab")[k % 2]}
-        meta = SampleMeta(sid, lab, path, "JPEG", int(sides[k, 0]), int(sides[k, 1]), 16, "0" * 64, tags)
-        yield SampleRecord(Sample(sid, lab, b"\xff" * 16), meta)
+        checksum = hashlib.blake2b(path.encode(), digest_size=32).hexdigest()
+        samples.append((dataset, sid, lab, b"\xff" * 16))
+        metas.append((dataset, sid, lab, path, "JPEG", int(sides[j, 0]), int(sides[j, 1]), int(sizes[j]), checksum,
+                      tags))
+    return samples, metas, ids, labels.astype(np.int32)
 
 
-async def _fill(store, dataset: str, n: int) -> None:
-    batch: list[SampleRecord] = []
+def _write(session, keyspace: str, samples: list[tuple], metas: list[tuple]) -> None:
+    """Blocking: the rows in unlogged batches, many at once; every sample row before any metadata row."""
+    from cassandra.concurrent import execute_concurrent
+    from cassandra.query import BatchStatement, BatchType
+
+    put_sample = session.prepare(f"INSERT INTO {keyspace}.samples (dataset, id, label, data) VALUES (?,?,?,?)")
+    put_meta = session.prepare(f"INSERT INTO {keyspace}.sample_meta (dataset, id, label, path, format, width, height, "
+                               "size, checksum, tags) VALUES (?,?,?,?,?,?,?,?,?,?)")
+
+    def batches(rows, ps):
+        for i in range(0, len(rows), _BATCH_ROWS):
+            batch = BatchStatement(batch_type=BatchType.UNLOGGED)
+            for row in rows[i : i + _BATCH_ROWS]:
+                batch.add(ps, row)
+            yield batch, None
+
+    for rows, ps in ((samples, put_sample), (metas, put_meta)):
+        execute_concurrent(session, batches(rows, ps), concurrency=_BATCHES_AT_ONCE, raise_on_first_error=True)
+
+
+async def _fill(url: str, dataset: str, n: int) -> float:
+    """Write ``n`` samples of ``dataset``; the seconds it took."""
+    from dataferry.schema._cqlconnect import connect, shutdown
+
+    opts = parse_store_url(url)
+    cluster, session, _ = await asyncio.to_thread(connect, opts)
+    rng = np.random.default_rng(0)
     ids, labels = [], []
-    for rec in _records(dataset, n):
-        batch.append(rec)
-        ids.append(rec.sample.id)
-        labels.append(rec.sample.label)
-        if len(batch) == 5000:
-            await store.put_samples(dataset, batch)
-            batch = []
-    if batch:
-        await store.put_samples(dataset, batch)
-    await store.put_dataset(DatasetInfo(dataset, _LABELS, n, dt.datetime.now(dt.timezone.utc)))
-    await store.put_split(dataset, "all", IdList(ids, labels))
+    t0 = time.perf_counter()
+    try:
+        for start in range(0, n, _STEP):
+            samples, metas, i, lab = _rows(dataset, start, min(n, start + _STEP), rng)
+            await asyncio.to_thread(_write, session, opts.keyspace, samples, metas)
+            ids.append(i)
+            labels.append(lab)
+            done = start + len(i)
+            print(f"\r  wrote {done:,} of {n:,} ({done / (time.perf_counter() - t0):,.0f} samples/s)", end="",
+                  file=sys.stderr, flush=True)
+    finally:
+        await asyncio.to_thread(shutdown, cluster)
+    print(file=sys.stderr)
+    async with await open_store(url) as store:
+        await store.put_dataset(DatasetInfo(dataset, LABELS, n, dt.datetime.now(dt.timezone.utc)))
+        await store.put_split(dataset, "all", IdList(np.concatenate(ids), np.concatenate(labels)))
+    return time.perf_counter() - t0
 
 
-async def _bench(url: str, n: int, repeats: int, progress: bool) -> None:
+async def _scan(store, dataset: str, ids: np.ndarray, options, fields=None) -> tuple[float, int]:
+    from dataferry.schema._cqlscan import meta_pages
+
+    t0, n = time.perf_counter(), 0
+    async for page in meta_pages(store._session, store._opts.keyspace, dataset, ids, fields=fields,
+                                 timeout=store._opts.request_timeout, error=store._error, by_id=store.read_meta,
+                                 rows=None, options=options, scan=True):
+        n += len(page)
+    return time.perf_counter() - t0, n
+
+
+async def _by_id(store, dataset: str, ids: np.ndarray) -> tuple[float, int]:
+    from dataferry.schema._cqlscan import ScanOptions, meta_pages
+
+    t0, n = time.perf_counter(), 0
+    async for page in meta_pages(store._session, store._opts.keyspace, dataset, ids, fields=None,
+                                 timeout=store._opts.request_timeout, error=store._error, by_id=store.read_meta,
+                                 rows=None, options=ScanOptions(), scan=False):
+        n += len(page)
+    return time.perf_counter() - t0, n
+
+
+def _variants():
+    from dataferry.schema._cqlscan import ScanOptions
+
+    cols = frozenset({"label", "width", "path", "tags"})  # what WHERE reads
+    return [
+        ("default, all columns", ScanOptions(), None),
+        ("default, the filter's columns", ScanOptions(), cols),
+        ("dataset tested here, not on replicas", ScanOptions(on_replicas=False), cols),
+        ("coordinator the driver picks", ScanOptions(route=False), cols),
+        ("concurrency 4", ScanOptions(concurrency=4), cols),
+        ("concurrency 48", ScanOptions(concurrency=48), cols),
+        ("pages of 1,000", ScanOptions(page_size=1000), cols),
+        ("pages of 20,000", ScanOptions(page_size=20_000), cols),
+        ("48 ranges (the ring's own)", ScanOptions(ranges=48), cols),
+        ("1,024 ranges", ScanOptions(ranges=1024), cols),
+    ]
+
+
+def _load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load {one:.1f}/{five:.1f}"
+
+
+async def _bench(url: str, dataset: str, n: int | None, args) -> None:
+    from dataferry.schema._cqlscan import ScanOptions
     from dataferry.schema._splits import derive_split
 
-    dataset = f"filter_{uuid.uuid4().hex[:8]}"
+    if n is not None:
+        print(f"writing {n:,} samples to {dataset!r} ({_load()})", flush=True)
+        took = await _fill(url, dataset, n)
+        print(f"wrote {n:,} samples in {took:.0f} s ({n / took:,.0f} samples/s; {_load()})", flush=True)
     async with await open_store(url) as store:
-        t0 = time.perf_counter()
-        await _fill(store, dataset, n)
-        print(f"wrote {n} samples with metadata in {time.perf_counter() - t0:.1f} s to {dataset!r}", flush=True)
-        reads, filters, count = [], [], 0
-        for k in range(repeats):
+        await asyncio.sleep(1)  # the ring's tokens, for routing (loaded in the background)
+        ids = (await store.read_split(dataset, "all")).ids
+        total = len(ids)
+        print(f"{total:,} samples in {dataset!r}; consistency {store.consistency}; {_load()}", flush=True)
+        derives, scans, count = [], [], 0
+        for k in range(args.repeats):
             t0 = time.perf_counter()
-            ids = (await store.read_split(dataset, "all")).ids.tolist()
-            metas = await store.read_meta(dataset, ids)
-            reads.append(time.perf_counter() - t0)
-            assert len(metas) == n, f"read {len(metas)} of {n} metadata rows"
-            t0 = time.perf_counter()
-            rec = await derive_split(store, dataset, WHERE, name=f"bench-{k}", progress=progress)
-            filters.append(time.perf_counter() - t0)
+            rec = await derive_split(store, dataset, WHERE, name=f"bench-{k}", progress=not args.no_progress)
+            derives.append(time.perf_counter() - t0)
             count = rec.num_ids
-            print(f"  run {k + 1}: full metadata read {reads[-1]:.2f} s, filter {filters[-1]:.2f} s "
-                  f"({count} of {n} match)", flush=True)
+            took, rows = await _scan(store, dataset, ids, ScanOptions())
+            assert rows == total, f"scanned {rows} of {total} metadata rows"
+            scans.append(took)
+            print(f"  run {k + 1}: filter (derive_split) {derives[-1]:.1f} s, {count:,} match; "
+                  f"scan of every column {took:.1f} s ({_load()})", flush=True)
         t0 = time.perf_counter()
-        again = await derive_split(store, dataset, WHERE, name=f"bench-{repeats - 1}", progress=False)
+        again = await derive_split(store, dataset, WHERE, name=f"bench-{args.repeats - 1}", progress=False)
         reuse = time.perf_counter() - t0
         assert again.reused
-    read, flt = statistics.median(reads), statistics.median(filters)
-    print(f"samples                 {n}")
-    print(f"full metadata read      {read:.2f} s median of {repeats} ({n / read:,.0f} rows/s)")
-    print(f"filter (derive_split)   {flt:.2f} s median of {repeats} ({n / flt:,.0f} rows/s), {count} match")
-    print(f"filter / metadata read  {flt / read:.2f}x")
-    print(f"reused derived split    {reuse:.2f} s (same filter, data unchanged: no metadata read)")
-    print(f"filter                  {WHERE}")
+        by_id = None
+        if args.by_id:
+            by_id = await _by_id(store, dataset, ids[: args.by_id])
+            print(f"  reads by id of {by_id[1]:,} samples: {by_id[0]:.1f} s ({_load()})", flush=True)
+        variants = []
+        if args.variants:
+            for label, options, fields in _variants():
+                took, rows = await _scan(store, dataset, ids, options, fields)
+                variants.append((label, took, rows))
+                print(f"  scan, {label}: {took:.1f} s ({_load()})", flush=True)
+
+    flt, scan = statistics.median(derives), statistics.median(scans)
+    print()
+    print(f"samples                        {total:,}")
+    print(f"filter (derive_split)          {flt:.1f} s median of {args.repeats} ({total / flt:,.0f} samples/s), "
+          f"{count:,} match  [{', '.join(f'{t:.1f}' for t in derives)}]")
+    print(f"token-range scan, all columns  {scan:.1f} s median of {args.repeats} ({total / scan:,.0f} samples/s)  "
+          f"[{', '.join(f'{t:.1f}' for t in scans)}]")
+    if by_id is not None:
+        rate = by_id[1] / by_id[0]
+        print(f"reads by id                    {by_id[0]:.1f} s for {by_id[1]:,} ({rate:,.0f} samples/s; "
+              f"all {total:,} at that rate: {total / rate / 60:.1f} min, extrapolated)")
+    print(f"reused derived split           {reuse:.2f} s (same filter, data unchanged: no metadata read)")
+    for label, took, rows in variants:
+        print(f"scan variant: {label:<38} {took:.1f} s ({rows / took:,.0f} samples/s)")
+    print(f"filter                         {WHERE}")
+    print(f"machine                        {platform.machine()}, {os.cpu_count()} cores, {_load()}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dataferry.bench.filter_scan", description=__doc__.split("\n\n")[0])
     p.add_argument("--samples", type=int, default=100_000, help="samples to write (default: 100000)")
+    p.add_argument("--nodes", type=int, default=3, help="nodes of the throwaway cluster (default: 3)")
+    p.add_argument("--heap", default="1G", help="heap of each node (default: 1G)")
     p.add_argument("--store", metavar="URL", help="a cassandra:// store with the schema applied (default: start one)")
-    p.add_argument("--repeats", type=int, default=3, help="alternating runs of each (default: 3)")
+    p.add_argument("--dataset", help="with --store: time this dataset, already written, instead of writing one")
+    p.add_argument("--repeats", type=int, default=3, help="runs of the filter and of the scan (default: 3)")
+    p.add_argument("--by-id", type=int, default=50_000, metavar="N",
+                   help="time reads by id of the first N samples, 0: not at all (default: 50000)")
+    p.add_argument("--variants", action="store_true", help="also one scan per variant of the scan's options")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    dataset = args.dataset or f"filter_{uuid.uuid4().hex[:8]}"
+    write = None if args.dataset else args.samples
     if args.store:
-        asyncio.run(_bench(args.store, args.samples, args.repeats, not args.no_progress))
+        asyncio.run(_bench(args.store, dataset, write, args))
         return 0
-    from dataferry.bench._devcassandra import DevCassandra
-    from dataferry.schema import parse_store_url
+    from dataferry.bench._devcassandra import DevCluster
     from dataferry.schema._ddl import apply_schema
 
-    with DevCassandra(heap="1G") as server:
-        url = server.url(f"bench_{uuid.uuid4().hex[:8]}")
+    t0 = time.perf_counter()
+    with DevCluster(args.nodes, heap=args.heap) as cluster:
+        url = cluster.url(f"bench_{uuid.uuid4().hex[:8]}", replication=f"SimpleStrategy:{min(3, args.nodes)}")
         asyncio.run(apply_schema(parse_store_url(url)))
-        print(f"started Cassandra 1.2 at {server.host}:{server.port}", flush=True)
-        asyncio.run(_bench(url, args.samples, args.repeats, not args.no_progress))
+        print(f"started Cassandra {cluster.version}, {args.nodes} nodes ({args.heap} heap each) in "
+              f"{time.perf_counter() - t0:.0f} s: {url}", flush=True)
+        asyncio.run(_bench(url, dataset, write, args))
     return 0
 
 

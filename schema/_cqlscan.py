@@ -62,7 +62,7 @@ class ScanOptions:
     #: a page that fails is asked again this many times, on the range's next replica
     retries: int = 2
     #: a read by id costs about this many scanned rows: scan when ``len(ids) * per_id_cost >= rows``
-    per_id_cost: float = 30.0
+    per_id_cost: float = 100.0
     #: reads by id: ids per ``read_meta`` and chunks at once
     by_id_chunk: int = 4096
     by_id_chunks: int = 4
