@@ -14,7 +14,8 @@ NAME`` times a dataset already there instead.
 Then, ``--repeats`` times: ``derive_split`` with a filter under a fresh name
 (the id list, the metadata by ``scan_meta``'s own choice, the predicate, the
 split written back), and one token-range scan of every metadata column
-(``_cqlscan``, no predicate). Once: reads by id (``read_meta``, 4,096 ids a
+(``_cqlscan``, no predicate); the client's peak resident set during each
+filter is sampled every 20 ms. Once: reads by id (``read_meta``, 4,096 ids a
 call, 4 calls at once, as derived splits read before the scan) of the first
 ``--by-id`` ids, whose rate is extrapolated to all samples and labelled so.
 ``--variants`` adds one scan per variant of ``ScanOptions`` (columns,
@@ -153,6 +154,31 @@ def _variants():
     ]
 
 
+def _rss() -> int:
+    """This process's resident set, bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _PeakRss:
+    """The highest resident set while the block runs, sampled every 20 ms by a task on the loop."""
+
+    async def __aenter__(self) -> _PeakRss:
+        self.before = self.peak = _rss()
+        self._task = asyncio.ensure_future(self._sample())
+        return self
+
+    async def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, _rss())
+            await asyncio.sleep(0.02)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self.peak = max(self.peak, _rss())
+
+
 def _load() -> str:
     one, five, _ = os.getloadavg()
     return f"load {one:.1f}/{five:.1f}"
@@ -171,11 +197,13 @@ async def _bench(url: str, dataset: str, n: int | None, args) -> None:
         ids = (await store.read_split(dataset, "all")).ids
         total = len(ids)
         print(f"{total:,} samples in {dataset!r}; consistency {store.consistency}; {_load()}", flush=True)
-        derives, scans, count = [], [], 0
+        derives, scans, count, rss = [], [], 0, []
         for k in range(args.repeats):
-            t0 = time.perf_counter()
-            rec = await derive_split(store, dataset, WHERE, name=f"bench-{k}", progress=not args.no_progress)
-            derives.append(time.perf_counter() - t0)
+            async with _PeakRss() as mem:
+                t0 = time.perf_counter()
+                rec = await derive_split(store, dataset, WHERE, name=f"bench-{k}", progress=not args.no_progress)
+                derives.append(time.perf_counter() - t0)
+            rss.append(mem)
             count = rec.num_ids
             took, rows = await _scan(store, dataset, ids, ScanOptions())
             assert rows == total, f"scanned {rows} of {total} metadata rows"
@@ -209,6 +237,9 @@ async def _bench(url: str, dataset: str, n: int | None, args) -> None:
         print(f"reads by id                    {by_id[0]:.1f} s for {by_id[1]:,} ({rate:,.0f} samples/s; "
               f"all {total:,} at that rate: {total / rate / 60:.1f} min, extrapolated)")
     print(f"reused derived split           {reuse:.2f} s (same filter, data unchanged: no metadata read)")
+    print(f"client RSS during the filter   peak {max(m.peak for m in rss) / 2**20:.0f} MiB, at most "
+          f"{max(m.peak - m.before for m in rss) / 2**20:.0f} MiB above its start "
+          f"(before the first: {rss[0].before / 2**20:.0f} MiB)")
     for label, took, rows in variants:
         print(f"scan variant: {label:<38} {took:.1f} s ({rows / took:,.0f} samples/s)")
     print(f"filter                         {WHERE}")

@@ -168,8 +168,6 @@ def _rejected(message: str, status: int, error: str, detail: str) -> RequestReje
 
 #: the longest a derive's request asks the service to hold its answer (seconds; at most half the read timeout)
 _MAX_POLL_WAIT = 10.0
-#: times a derive job the service forgot (it restarted) is started again
-_DERIVE_RESTARTS = 3
 
 
 def _derive_label(dataset: str, where: str, name: str | None, parent: str) -> str:
@@ -334,8 +332,9 @@ class HttpSource:
         within half the read timeout (``Prefer: respond-async, wait=N``, N at most 10 s): the record
         when the job is quick, else 202 and the job, which is then asked after (``GET`` its
         location, each answer held up to N s until it ends) with a tqdm bar of the samples read
-        on stderr (``progress``; None: when stderr is a TTY). A job the service forgot (it
-        restarted) is started again. It waits at most ``timeout`` seconds in all (default
+        on stderr (``progress``; None: when stderr is a TTY). A poll that reaches a process that
+        does not know the job (another worker, or one that restarted) posts again, which joins,
+        starts or reuses the split there. It waits at most ``timeout`` seconds in all (default
         ``HttpOptions.derive_timeout``), then raises StoreTimeout; the job goes on in the
         service, and asking again joins it. A failed job raises one line naming the dataset,
         the filter and the cause: RequestRejected (409: the name is taken), StoreTimeout or
@@ -354,7 +353,6 @@ class HttpSource:
         post = json.dumps({"where": where, "from": parent, **({"name": name} if name is not None else {})}).encode()
         show = sys.stderr.isatty() if progress is None else progress
         bar = tqdm(unit="samples", file=sys.stderr, disable=not show, desc=f"derive {dataset}/{parent}", leave=False)
-        restarts = 0
         try:
             async with asyncio.timeout(bound) as deadline:
                 status, doc = await self._derive_call("POST", self._path(dataset, "splits"), wait, post, label,
@@ -373,9 +371,10 @@ class HttpSource:
                         status, doc = await self._derive_call("GET", self._path(dataset, "split-jobs", job), wait,
                                                               None, label, dataset, parent)
                     except RequestRejected as exc:
-                        if exc.error != "job_not_found" or restarts >= _DERIVE_RESTARTS:
+                        if exc.error != "job_not_found":
                             raise
-                        restarts += 1  # the service forgot the job (it restarted): start it again
+                        # another process of the service (a balancer, --workers) or one that restarted:
+                        # post again, which joins its job, starts one or finds the split made
                         status, doc = await self._derive_call("POST", self._path(dataset, "splits"), wait, post,
                                                               label, dataset, parent)
                     else:

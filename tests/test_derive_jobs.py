@@ -127,15 +127,15 @@ def _derive(base: str, *, read_timeout: float, **kw):
 
 # --- longer than the client's read timeout ----------------------------------------------------------
 def test_a_derive_longer_than_the_read_timeout_succeeds_with_progress(slow_service, capsys):
-    svc = slow_service(delay=0.1)  # 15 pages: about 1.5 s, five times the client's read timeout
+    svc = slow_service(delay=0.2)  # 15 pages: about 3 s, six times the client's read timeout
     with pytest.raises(asyncio.TimeoutError):  # the control: one request waiting for the record times out
-        _request("POST", f"{svc.base}/v1/datasets/pets/splits", SPLITS_T, {"where": WHERE, "name": "big"}, total=0.3)
+        _request("POST", f"{svc.base}/v1/datasets/pets/splits", SPLITS_T, {"where": WHERE, "name": "big"}, total=0.5)
     t0 = time.monotonic()
-    rec = _derive(svc.base, read_timeout=0.3, name="big", progress=True)  # joins the job the control started
+    rec = _derive(svc.base, read_timeout=0.5, name="big", progress=True)  # joins the job the control started
     took = time.monotonic() - t0
     want = expected_ids(metas("pets", N))
     assert rec.num_ids == len(want) and rec.name == "big" and not rec.reused
-    assert took > 0.6 and svc.slow.scans == 1  # it waited past its read timeout, on the one job
+    assert took > 1.0 and svc.slow.scans == 1  # it waited past its read timeout, on the one job
     err = capsys.readouterr().err
     assert "derive pets/all" in err and f"/{N}" in err  # the progress bar, to the parent's size
 
@@ -149,8 +149,8 @@ def test_a_derive_longer_than_the_read_timeout_succeeds_with_progress(slow_servi
 def test_loader_where_over_http_outlives_a_tiny_read_timeout(slow_service):
     from dataferry.client import Loader
 
-    svc = slow_service(delay=0.05)
-    factory = lambda: HttpSource.open(svc.base, options=HttpOptions(read_timeout=0.2))  # noqa: E731
+    svc = slow_service(delay=0.1)  # about 1.5 s, three times the read timeout
+    factory = lambda: HttpSource.open(svc.base, options=HttpOptions(read_timeout=0.5))  # noqa: E731
     with Loader(factory, "pets", where=WHERE, batch_size=256) as loader:
         got = sorted(i for b in iter(loader) for i in b.ids.tolist())
         assert loader.split.startswith("where-") and not loader.derived.reused
@@ -177,11 +177,25 @@ def test_the_job_is_polled_at_its_location_and_a_reuse_answers_at_once(slow_serv
     assert status == 200 and json.loads(body)["reused"] is True  # no job left running: the record
 
 
+def test_a_job_the_service_forgot_is_posted_again(slow_service):
+    """As after a restart, or a poll that reached another worker: the client posts again."""
+    svc = slow_service(delay=0.1)
+    jobs = svc.app[DERIVE_JOBS]
+
+    def forget():  # the jobs' table of a process that never saw this job (the old one runs on, unseen)
+        jobs._jobs.clear()
+        jobs._running.clear()
+
+    svc.loop.loop.call_soon_threadsafe(svc.loop.loop.call_later, 0.5, forget)
+    rec = _derive(svc.base, read_timeout=0.5, name="again")
+    assert rec.num_ids == len(expected_ids(metas("pets", N))) and svc.slow.scans == 2
+
+
 # --- failures ------------------------------------------------------------------------------------
 def test_a_failed_job_is_one_line_naming_the_dataset_and_the_filter(slow_service):
-    svc = slow_service(delay=0.05, fail_at=6)
+    svc = slow_service(delay=0.1, fail_at=6)
     with pytest.raises(StoreUnavailable) as info:
-        _derive(svc.base, read_timeout=0.2, name="broken", where="width >= 512")
+        _derive(svc.base, read_timeout=0.5, name="broken", where="width >= 512")
     msg = str(info.value)
     assert "\n" not in msg and "'broken' of pets/all where 'width >= 512'" in msg
     assert "failed (503 store_unavailable)" in msg and "the disk went away (test)" in msg
