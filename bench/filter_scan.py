@@ -41,7 +41,8 @@ import numpy as np
 
 from dataferry.schema import DatasetInfo, IdList, open_store, parse_store_url, sample_id
 
-WHERE = 'width >= 512 and (label_name in ("n00000001", "n00000003") or tags.source = "lab") and not path glob "*/sub/**"'
+WHERE = ('width >= 512 and (label_name in ("n00000001", "n00000003") or tags.source = "lab") '
+         'and not path glob "*/sub/**"')
 LABELS = tuple(f"n{k:08d}" for k in range(1000))
 _BATCH_ROWS = 32  # rows per unlogged batch
 _BATCHES_AT_ONCE = 64

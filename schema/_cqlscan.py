@@ -4,16 +4,17 @@
 :class:`~dataferry.schema.SampleMeta` for the ids among ``ids`` that have a
 ``sample_meta`` row in ``dataset``, each id once, in no particular order; an
 id without metadata never appears. Fields not in ``fields`` (the columns a
-filter reads, see :func:`meta_columns`) are None; ``fields=None`` reads them
-all. Which way it reads:
+filter reads, see :func:`meta_columns`) are None (``tags``: empty);
+``fields=None`` reads them all. Which way it reads:
 
 * **token-range scan** when ``ids`` are many next to the keyspace's metadata
   rows (``len(ids) * per_id_cost >= rows``): the ring is cut into
   ``ScanOptions.ranges`` ranges along the nodes' own token boundaries, each
   read with ``SELECT id, <columns> FROM ks.sample_meta WHERE token(dataset, id)
   > ? AND token(dataset, id) <= ? AND dataset = ? ALLOW FILTERING`` (the
-  ``dataset`` test runs on the replica: a range holds every dataset's rows),
-  ``page_size`` rows a page, ``concurrency`` ranges at once, each sent to one of
+  ``dataset`` test runs on the replica: a range holds every dataset's rows; a
+  server that refuses it sends every row back, tested here), ``page_size``
+  rows a page, ``concurrency`` ranges at once, each sent to one of
   its replicas (in turn, so the nodes share the work). A range's next page is
   asked for before its current page is handed on, and no sooner: memory is
   bounded by ``concurrency x 2`` pages, whatever the table holds. A page that

@@ -6,6 +6,14 @@ exactly one split). Counts come from the largest-remainder method, so each is
 within one of ``n * ratio``; with ``stratify`` that holds within every label,
 and the leftovers are spread so that rare labels do not all land in the first
 split. Each split lists its ids sorted.
+
+:func:`derive_split` keeps the samples of a split whose metadata match a
+filter. It reads the metadata through one seam every store implements,
+``store.scan_meta(dataset, ids, *, fields)``: pages of ``SampleMeta`` for the
+ids that have metadata, each once, in any order, with at least the fields the
+filter reads (:func:`filter_fields`). Each backend reads its fastest way
+(SQLite by id; Cassandra by token-range scans or by id, ``_cqlscan.py``); the
+selection is the same everywhere: the parent's ids whose metadata match.
 """
 
 from __future__ import annotations

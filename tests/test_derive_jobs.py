@@ -264,7 +264,8 @@ def test_finished_jobs_are_forgotten_and_unfinished_ones_bounded(slow_service):
         assert status == 200
     assert len(jobs._jobs) <= 3  # two kept, plus the last one until the next look
     time.sleep(0.4)
-    status, _, body = _request("POST", url, SPLITS_T, {"where": "width > 9", "name": "n9"}, prefer="respond-async, wait=5")
+    status, _, body = _request("POST", url, SPLITS_T, {"where": "width > 9", "name": "n9"},
+                               prefer="respond-async, wait=5")
     assert status == 200 and len(jobs._jobs) == 1  # the older ones forgotten
     old = next(iter(jobs._jobs))
     time.sleep(0.4)
