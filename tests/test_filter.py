@@ -2,9 +2,11 @@
 
 The parser (property tests against a reference evaluator, errors with
 positions), then the same filter over the same data on SQLite, on the real
-Cassandra 1.2 and through the real data service on loopback: the same ids
+Cassandra 5.0 and through the real data service on loopback: the same ids
 everywhere. Then reuse, the resume refusal, and stratified splits of a
-derived split.
+derived split. Last, Cassandra's token-range scans against its reads by id
+(two datasets in one keyspace, ids without metadata, a subset parent, a page
+that fails and is asked again). The service's derive jobs: test_derive_jobs.py.
 """
 
 from __future__ import annotations
@@ -328,7 +330,7 @@ def test_an_sqlite_file_made_before_derived_splits_gains_the_table(tmp_path):
     assert rec.num_ids == sum(m.width > 100 for m in metas("d", 50))
 
 
-# --- Cassandra 1.2 -----------------------------------------------------------------------------------
+# --- Cassandra 5.0 -----------------------------------------------------------------------------------
 @pytest.mark.cassandra
 def test_derived_split_on_cassandra_selects_the_same_ids_as_sqlite(cassandra_url, sqlite_store_url):
     ds = f"pets_{uuid.uuid4().hex[:8]}"
