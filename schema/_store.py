@@ -82,6 +82,13 @@ class Store(SampleSource, Protocol):
         """Metadata of the committed ones among ``ids``; unknown ids are absent."""
         ...
 
+    def scan_meta(self, dataset: str, ids: Sequence[int], *,
+                  fields: Collection[str] | None = None) -> AsyncIterator[list[SampleMeta]]:
+        """The metadata of the committed ones among ``ids`` (each once), a page at a time, in
+        no order, memory bounded by the page; at least ``fields`` are read (None: every
+        field), others may be None. For many ids at once: a derived split's filter."""
+        ...
+
     # --- write side (ingest) ---------------------------------------------
     async def existing(self, dataset: str, ids: Collection[int]) -> set[int]:
         """The ids among ``ids`` whose samples are committed."""
