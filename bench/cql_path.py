@@ -1,7 +1,7 @@
 """The CQL path alone: a Loader reading ``cassandra://`` straight from the store.
 
 ``python -m dataferry.bench.cql_path [--images 2048] [--rtts 0,100] [--repeats 3] [--batch-size 256]
-[--paths hot,driver]``
+[--paths hot,driver] [--also concurrency=1024]``
 ``python -m dataferry.bench.cql_path --read-path [--frames 2000] [--repeats 3]``
 
 A throwaway Cassandra 5.0 node (``_devcassandra``, spoken to at protocol v4) holds ``--images``
@@ -14,7 +14,9 @@ interleaved; the table shows medians. ``--paths hot,driver`` runs each link
 twice per repeat: sample reads on the store's hot path (the default,
 ``schema/_cqlfast.py``) and, in rows marked "driver path", through the
 driver's ``Session.execute_async`` as every read went before it (the hot
-path switched off in that child process only).
+path switched off in that child process only). ``--also OPTIONS`` (store URL
+options, given once per set) runs every link again with them, in rows named
+with them, interleaved: what a store option changes on the same links.
 
 Per run:
 
@@ -161,10 +163,11 @@ def _run_child(url: str, batch_size: int, path: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run(images: int, rtts: list[float], repeats: int, batch_size: int,
-        paths: Sequence[str] = ("hot",)) -> tuple[list[list[str]], list[list[str]], list[list[str]]]:
+def run(images: int, rtts: list[float], repeats: int, batch_size: int, paths: Sequence[str] = ("hot",),
+        options: Sequence[str] = ()) -> tuple[list[list[str]], list[list[str]], list[list[str]]]:
     """``(rows, phases, windows)``: the table's rows, when each step of the set-up began, and the engine's
-    window over the run (medians)."""
+    window over the run (medians). Each of ``options`` (store URL options, ``concurrency=1024``) adds a
+    run of every link and path with them, interleaved, in rows named with them."""
     from ._links import Condition, ProxyLink
     from ._loaders import with_options
 
@@ -172,14 +175,16 @@ def run(images: int, rtts: list[float], repeats: int, batch_size: int,
     with prepared_store("cassandra", images, DATASET) as (url, address, report), contextlib.ExitStack() as stack:
         print(f"cql_path: {report.num_samples} images of {report.bytes_out / max(report.num_samples, 1) / 1e3:.0f} KB "
               f"mean in Cassandra 5.0 at {address[0]}:{address[1]}", file=sys.stderr, flush=True)
-        targets = {"direct": url}
+        routes = {"direct": address}
         link = ProxyLink()
         for rtt in rtts:
-            route = stack.enter_context(link.emulate(Condition(rtt_ms=rtt)))
-            targets[f"proxy {rtt:g} ms"] = with_options(url, *route(address))
+            routes[f"proxy {rtt:g} ms"] = stack.enter_context(link.emulate(Condition(rtt_ms=rtt)))(address)
+        targets = {}  # row name -> (url, path)
+        for (where, route), path, extra in itertools.product(routes.items(), paths, ("", *options)):
+            name = ", ".join(x for x in (where, "driver path" if path == "driver" else "", extra) if x)
+            targets[name] = (with_options(url, *route, **dict(_pairs(extra))), path)
         for repeat in range(repeats):
-            for (link, target), path in itertools.product(targets.items(), paths):
-                name = link if path == "hot" else f"{link}, driver path"
+            for name, (target, path) in targets.items():
                 r = _run_child(target, batch_size, path)
                 results.setdefault(name, []).append(r)
                 print(f"  {name:<26} run {repeat + 1}: first batch {r['first_batch_s']:.3f} s, "
@@ -196,9 +201,9 @@ def run(images: int, rtts: list[float], repeats: int, batch_size: int,
             f"{med(key) * 1e3:.0f}" for key in ("at_startup_s", "at_register_s", "at_prepare_s", "at_execute_s",
                                                  "at_read_s", "first_batch_s"))])
 
-        rtt = float(name.split()[1]) if name.startswith("proxy") else 0.0  # "proxy 100 ms[, driver path]"
-        # the same path at 0 ms through the proxy, run for run (the repeats are interleaved)
-        base = results.get(name.replace(f"proxy {rtt:g} ms", "proxy 0 ms")) if rtt else None
+        rtt = float(name.split()[1]) if name.startswith("proxy") else 0.0  # "proxy 100 ms[, driver path][, opts]"
+        # the same path and options at 0 ms through the proxy, run for run (the repeats are interleaved)
+        base = results.get(name.replace(f"proxy {rtt:g} ms", "proxy 0 ms", 1)) if rtt else None
         ratio = statistics.median(r["total_per_s"] / b["total_per_s"] for r, b in zip(runs, base)) if base else None
         rows.append([
             name, f"{med('first_batch_s'):.3f}", f"{med('first_batch_s') * 1e3 / rtt:.1f}" if rtt else "-",
@@ -211,6 +216,11 @@ def run(images: int, rtts: list[float], repeats: int, batch_size: int,
                         f"{med('latency_ms'):.0f}", *(f"{med(k):.2f}" for k in (
                             "window_full_share", "budget_full_share", "wait_share"))])
     return rows, phases, windows
+
+
+def _pairs(options: str) -> list[tuple[str, str]]:
+    """``"a=1&b=2"`` -> ``[("a", "1"), ("b", "2")]``."""
+    return [tuple(kv.split("=", 1)) for kv in options.split("&") if kv]
 
 
 def _read_path_once(conn, handle_read, frames: int, buffer: int | None = None, size: int = 110_000) -> float:
@@ -289,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--paths", default="hot",
                    help="sample reads on the store's hot path and/or through the driver's execute_async: hot,driver")
+    p.add_argument("--also", action="append", default=[], metavar="OPTIONS",
+                   help="store URL options (e.g. concurrency=1024); every link is also run with them, interleaved")
     p.add_argument("--read-path", action="store_true", help="measure one connection's read side alone")
     p.add_argument("--frames", type=int, default=2000, help="110 KB frames per --read-path run")
     p.add_argument("--child", metavar="URL", help=argparse.SUPPRESS)  # one measuring run, JSON on stdout
@@ -305,7 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
     if not paths or set(paths) - {"hot", "driver"}:
         p.error(f"--paths: {args.paths!r}: name hot, driver or both")
-    rows, phases, windows = run(args.images, rtts, args.repeats, args.batch_size, paths)
+    for extra in args.also:
+        if not _pairs(extra) or any(len(kv) != 2 or not kv[0] for kv in _pairs(extra)):
+            p.error(f"--also: {extra!r}: store URL options, key=value&key=value")
+    rows, phases, windows = run(args.images, rtts, args.repeats, args.batch_size, paths, args.also)
     print(f"median of {args.repeats} runs; {args.images} images, batch {args.batch_size}")
     print(table(["link", "first batch s", "first batch / RTT", "set-up requests", "connections",
                  "samples/s from creating the Loader", "of proxy 0 ms", "samples/s after the first batch",
