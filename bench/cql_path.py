@@ -1,7 +1,7 @@
 """The CQL path alone: a Loader reading ``cassandra://`` straight from the store.
 
 ``python -m dataferry.bench.cql_path [--images 2048] [--rtts 0,100] [--repeats 3] [--batch-size 256]
-[--paths hot,driver] [--also concurrency=1024]``
+[--paths hot,driver] [--also concurrency=1024] [--proxy-window none]``
 ``python -m dataferry.bench.cql_path --read-path [--frames 2000] [--repeats 3]``
 
 A throwaway Cassandra 5.0 node (``_devcassandra``, spoken to at protocol v4) holds ``--images``
@@ -17,6 +17,8 @@ driver's ``Session.execute_async`` as every read went before it (the hot
 path switched off in that child process only). ``--also OPTIONS`` (store URL
 options, given once per set) runs every link again with them, in rows named
 with them, interleaved: what a store option changes on the same links.
+``--proxy-window BYTES`` gives the proxies that TCP window per connection and
+direction (``none``: unlimited) instead of the kernel's ``tcp_rmem`` maximum.
 
 Per run:
 
@@ -69,7 +71,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ._common import loader_epoch, prepared_store, stat_fields, table
+from ._common import announced, loader_epoch, prepared_store, stat_fields, table
 
 DATASET = "bench"
 
@@ -163,12 +165,24 @@ def _run_child(url: str, batch_size: int, path: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _proxy(stack: contextlib.ExitStack, address: tuple[str, int], rtt: float, window: str | None) -> tuple[str, int]:
+    """The address of a latency-proxy process in front of ``address`` at ``rtt`` ms: the bench's link
+    (``_links.ProxyLink``), or with its TCP window named (``--window``: bytes, or "none")."""
+    if window is None:
+        from ._links import Condition, ProxyLink
+
+        return stack.enter_context(ProxyLink().emulate(Condition(rtt_ms=rtt)))(address)
+    cmd = [sys.executable, "-m", "dataferry.schema._cli", "latency-proxy", "--listen", "127.0.0.1:0",
+           "--upstream", f"{address[0]}:{address[1]}", "--delay", f"{rtt / 2:g}ms", "--window", window]
+    return stack.enter_context(announced(cmd, "the latency proxy"))
+
+
 def run(images: int, rtts: list[float], repeats: int, batch_size: int, paths: Sequence[str] = ("hot",),
-        options: Sequence[str] = ()) -> tuple[list[list[str]], list[list[str]], list[list[str]]]:
+        options: Sequence[str] = (), window: str | None = None) -> tuple[list[list[str]], list[list[str]], list[list[str]]]:
     """``(rows, phases, windows)``: the table's rows, when each step of the set-up began, and the engine's
     window over the run (medians). Each of ``options`` (store URL options, ``concurrency=1024``) adds a
-    run of every link and path with them, interleaved, in rows named with them."""
-    from ._links import Condition, ProxyLink
+    run of every link and path with them, interleaved, in rows named with them; ``window`` is the
+    proxies' TCP window (None: the link's default, the kernel's ``tcp_rmem`` maximum)."""
     from ._loaders import with_options
 
     results: dict[str, list[dict]] = {}
@@ -176,9 +190,8 @@ def run(images: int, rtts: list[float], repeats: int, batch_size: int, paths: Se
         print(f"cql_path: {report.num_samples} images of {report.bytes_out / max(report.num_samples, 1) / 1e3:.0f} KB "
               f"mean in Cassandra 5.0 at {address[0]}:{address[1]}", file=sys.stderr, flush=True)
         routes = {"direct": address}
-        link = ProxyLink()
         for rtt in rtts:
-            routes[f"proxy {rtt:g} ms"] = stack.enter_context(link.emulate(Condition(rtt_ms=rtt)))(address)
+            routes[f"proxy {rtt:g} ms"] = _proxy(stack, address, rtt, window)
         targets = {}  # row name -> (url, path)
         for (where, route), path, extra in itertools.product(routes.items(), paths, ("", *options)):
             name = ", ".join(x for x in (where, "driver path" if path == "driver" else "", extra) if x)
@@ -301,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="sample reads on the store's hot path and/or through the driver's execute_async: hot,driver")
     p.add_argument("--also", action="append", default=[], metavar="OPTIONS",
                    help="store URL options (e.g. concurrency=1024); every link is also run with them, interleaved")
+    p.add_argument("--proxy-window", metavar="BYTES",
+                   help="the latency proxies' TCP window per connection and direction, e.g. 128MB or none "
+                        "(default: the kernel's tcp_rmem maximum)")
     p.add_argument("--read-path", action="store_true", help="measure one connection's read side alone")
     p.add_argument("--frames", type=int, default=2000, help="110 KB frames per --read-path run")
     p.add_argument("--child", metavar="URL", help=argparse.SUPPRESS)  # one measuring run, JSON on stdout
@@ -320,8 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     for extra in args.also:
         if not _pairs(extra) or any(len(kv) != 2 or not kv[0] for kv in _pairs(extra)):
             p.error(f"--also: {extra!r}: store URL options, key=value&key=value")
-    rows, phases, windows = run(args.images, rtts, args.repeats, args.batch_size, paths, args.also)
-    print(f"median of {args.repeats} runs; {args.images} images, batch {args.batch_size}")
+    rows, phases, windows = run(args.images, rtts, args.repeats, args.batch_size, paths, args.also,
+                                args.proxy_window)
+    print(f"median of {args.repeats} runs; {args.images} images, batch {args.batch_size}; the proxies' TCP window "
+          f"{args.proxy_window or 'the default (tcp_rmem max)'}")
     print(table(["link", "first batch s", "first batch / RTT", "set-up requests", "connections",
                  "samples/s from creating the Loader", "of proxy 0 ms", "samples/s after the first batch",
                  "CPU us/sample",
