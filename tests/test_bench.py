@@ -364,3 +364,25 @@ def test_the_headline_counts_every_sample_from_creating_the_loader_and_report_re
     (tmp_path / "summary.json").write_text(json.dumps(doc))
     assert report.main([str(tmp_path)]) == 0
     assert "| http-ooo | 200 | 200 | 100% |" in " ".join((tmp_path / "table.md").read_text().split())
+
+
+def test_the_cluster_bench_child_reads_one_epoch_through_the_service(capsys):
+    """``bench.cql_cluster --child URL`` (``_common.loader_epoch``, which ``cql_path`` shares): one epoch
+    over the data service, every sample once, with the engine's window figures; no times checked."""
+    from dataferry.bench import cql_cluster
+    from dataferry.bench._common import data_server, prepared_store
+
+    with prepared_store("sqlite", 40, cql_cluster.DATASET) as (url, _, _), data_server(url) as (host, port):
+        assert cql_cluster.main(["--child", f"http://{host}:{port}", "--batch-size", "16"]) == 0
+    run = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert run["samples"] == 40 and run["first_samples"] == 16 and run["served"] >= 40
+    assert run["requests"] >= 1 and run["failures"] == 0 and "t0" not in run
+    assert {"first_batch_s", "total_per_s", "cpu_us_per_sample", "mean_inflight", "window_full_share"} <= set(run)
+
+
+def test_the_cluster_bench_refuses_unknown_parts():
+    from dataferry.bench import cql_cluster
+
+    with pytest.raises(SystemExit) as exc:
+        cql_cluster.main(["--parts", "ingest,scan"])
+    assert exc.value.code == 2
