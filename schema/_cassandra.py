@@ -150,7 +150,8 @@ def _refused_unsent(exc: BaseException) -> bool:
 def _hot_reads(cluster, session, opts: CassandraOptions, loop, arrive) -> HotReads | None:
     """The hot read path on ``session``; None if the driver is not the one it was written for."""
     try:
-        return HotReads(session, cluster.profile_manager.default, opts.request_timeout, loop, arrive)
+        return HotReads(session, cluster.profile_manager.default, opts.request_timeout, loop, arrive,
+                        connections=opts.connections)
     except (AttributeError, ImportError):
         return None
 

@@ -157,6 +157,19 @@ def execute_message(ps, values: list, consistency: int, fetch_size: int | None):
                           skip_meta=bool(ps.result_metadata), result_metadata_id=ps.result_metadata_id)
 
 
+def _in_flight(conn) -> int:
+    return conn.in_flight
+
+
+def _give_back(pool, conn) -> None:
+    """Return ``conn`` after a read: to its pool, or (a connection of the hot path's own) by hand."""
+    if pool is not None:
+        pool.return_connection(conn)
+    else:
+        with conn.lock:
+            conn.in_flight -= 1
+
+
 class _Read:
     """One hot read in flight."""
 
@@ -186,10 +199,14 @@ class HotReads:
     a read one ``timeout``, not an error.
     """
 
-    def __init__(self, session, profile, timeout: float, loop, arrive, *, stall: float | None = None) -> None:
+    def __init__(self, session, profile, timeout: float, loop, arrive, *, stall: float | None = None,
+                 connections: int = 1) -> None:
         from cassandra.protocol import ResultMessage
 
         self._pools = session._pools
+        self._cluster = session.cluster
+        self._more = connections - 1  # connections per host beyond the pool's one
+        self._extra: dict = {}  # host -> the connections opened here for it (see _borrow)
         self._handler = session.client_protocol_handler
         self._profile = profile
         self._policy = profile.load_balancing_policy
@@ -233,11 +250,11 @@ class HotReads:
         if pool is None:
             return False
         try:
-            conn, req_id = pool.borrow_connection(timeout=2.0)
+            conn, req_id, lender = self._borrow(host, pool)
         except Exception:  # noqa: BLE001 - at capacity, or shut down: the driver's path says which
             return False
         message = execute_message(ps, bound.values, self._profile.consistency_level, self._fetch_size)
-        read = _Read(self._loop.time() + self._timeout, now, conn, req_id, pool, host, ps, params, item,
+        read = _Read(self._loop.time() + self._timeout, now, conn, req_id, lender, host, ps, params, item,
                      (*avoid, host))
         try:
             conn.send_msg(message, req_id, cb=partial(self._answered, read), encoder=self._handler.encode_message,
@@ -246,7 +263,7 @@ class HotReads:
             conn._requests.pop(req_id, None)
             with conn.lock:
                 conn.request_ids.append(req_id)
-            pool.return_connection(conn)
+            _give_back(lender, conn)
             return False
         reads, keys = self._reads, self._keys
         while reads and reads[0].done:
@@ -262,6 +279,60 @@ class HotReads:
         if self._timer is None:
             self._timer = self._loop.call_at(read.deadline, self._expire)
         return True
+
+    def _borrow(self, host, pool):
+        """``(connection, stream id, lender)`` for a read of ``host``: the least busy of the pool's
+        connection and the ones opened here for it (``connections`` per host in all, each its own
+        TCP window: one connection carries at most its window per round trip, 6-32 MiB on a long
+        link). ``lender`` is the pool, or None for a connection of ours (given back by
+        :func:`_give_back`). The extra connections are opened in the background on the host's
+        first read, and again when one is lost."""
+        extra = self._extra.get(host)
+        if extra is None:
+            extra = self._extra[host] = []
+            self._open(host, self._more)
+        if extra:
+            live = [c for c in extra if not (c.is_closed or c.is_defunct)]
+            if len(live) < len(extra):
+                extra[:] = live
+                self._open(host, self._more - len(live))
+            best = min(live, key=_in_flight, default=None)
+            own = getattr(pool, "_connection", None)
+            if best is not None and (own is None or best.in_flight < own.in_flight):
+                with best.lock:
+                    if best.in_flight < best.max_request_id and not (best.is_closed or best.is_defunct):
+                        best.in_flight += 1
+                        return best, best.get_request_id(), None
+        conn, req_id = pool.borrow_connection(timeout=2.0)
+        return conn, req_id, pool
+
+    def _open(self, host, n: int) -> None:
+        """Open ``n`` connections to ``host`` on the driver's executor; each joins ``_extra`` on the loop."""
+        if n <= 0 or self._closed:
+            return
+
+        def opened(conn) -> None:  # on the loop
+            if self._closed or host not in self._extra:
+                conn.close()
+            else:
+                self._extra[host].append(conn)
+
+        def open_one() -> None:
+            try:
+                conn = self._cluster.connection_factory(host.endpoint)
+            except Exception:  # noqa: BLE001 - the host is down or refusing: tried again when it is read
+                self._loop.call_soon_threadsafe(self._loop.call_later, 5.0, self._extra.pop, host, None)
+                return
+            try:
+                self._loop.call_soon_threadsafe(opened, conn)
+            except RuntimeError:  # the loop is closed
+                conn.close()
+
+        for _ in range(n):
+            try:
+                self._cluster.executor.submit(open_one)
+            except RuntimeError:  # the cluster is shutting down
+                return
 
     def _choose(self, plan, avoid: tuple, now: float):
         """``(host, pool)``: the first host of ``plan`` with an open pool that is neither stalled
@@ -302,7 +373,7 @@ class HotReads:
     def _answered(self, read: _Read, response) -> None:
         """The driver's IO thread: the answer to ``read`` (rows, a driver message, or an exception)."""
         read.done = True
-        read.pool.return_connection(read.conn)
+        _give_back(read.pool, read.conn)
         sink, key = read.item
         if type(response) is list:
             self._heard[read.host] = time.monotonic()
@@ -335,13 +406,16 @@ class HotReads:
             return
         read.done = True
         self._timed_out[read.host] = time.monotonic()
-        if not read.pool.is_shutdown:
+        if read.pool is None or not read.pool.is_shutdown:
             # as ResponseFuture._on_timeout: the stream id stays taken until the late answer comes
             with conn.lock:
                 conn.orphaned_request_ids.add(read.req_id)
                 if len(conn.orphaned_request_ids) >= conn.orphaned_threshold:
                     conn.orphaned_threshold_reached = True
-            read.pool.return_connection(conn, stream_was_orphaned=True)
+            if read.pool is not None:
+                read.pool.return_connection(conn, stream_was_orphaned=True)
+            elif conn.orphaned_threshold_reached:
+                conn.close()  # as the pool replaces its own: dropped, and another opened on the next read
         if len(read.avoid) == 1 and self._send_elsewhere(read):
             return
         errors = {read.host: "Client request timeout. See Session.execute[_async](timeout)"}

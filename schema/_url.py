@@ -64,8 +64,13 @@ class CassandraOptions:
     #: URL naming it still parses
     protocol_version: int | None = None
     local_dc: str | None = None
-    #: requests in flight per store (reads and writes)
-    concurrency: int = 256
+    #: requests in flight per store (reads and writes); reads in flight over a link of RTT r carry at
+    #: most concurrency / r samples per second (1024 at 100 ms: about 5,000/s); a server's store
+    #: holds up to this many samples in memory
+    concurrency: int = 1024
+    #: TCP connections per node that sample reads share (protocol v4 multiplexes requests on one,
+    #: but one connection carries at most its TCP window per round trip)
+    connections: int = 2
     #: seconds per request
     request_timeout: float = 10.0
     connect_timeout: float = 10.0
@@ -88,6 +93,8 @@ class CassandraOptions:
             object.__setattr__(self, "consistency", self.consistency.upper())
         if self.concurrency < 1 or self.request_timeout <= 0 or self.connect_timeout <= 0:
             raise ConfigError("cassandra concurrency and timeouts must be positive")
+        if not 1 <= self.connections <= 64:
+            raise ConfigError(f"cassandra connections={self.connections}: 1 to 64 per node")
         if self.protocol_version not in (None, 4):
             raise ConfigError(
                 f"protocol_version={self.protocol_version}: dataferry speaks native protocol v4 only (Cassandra "
