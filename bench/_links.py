@@ -21,7 +21,7 @@ loader dials to reach that server across the link.
 Both start the development Cassandra for the CQL path (``cassandra``) with
 :func:`~._common.prepared_store`. ``python -m dataferry.bench._links
 cassandra --host H --images N`` does that in the server namespace: Cassandra
-1.2 listens on its namespace's loopback only, so a plain forwarder (the
+5.0 listens on its namespace's loopback only, so a plain forwarder (the
 latency proxy with no delay) exposes it on ``H``.
 """
 

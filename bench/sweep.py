@@ -18,7 +18,7 @@ packages are missing, is recorded as not applicable.
 
 The loaders (:data:`LOADERS`) read one synthetic dataset, set up as their
 own docs recommend: the data service serves it from SQLite (the store next to
-the server), the CQL path reads it from Cassandra 1.2; the naive DataLoader
+the server), the CQL path reads it from a Cassandra 5.0 node; the naive DataLoader
 has 16 persistent workers, the ConcurrentDataloader-style one 4 workers of
 16 threads; WebDataset reads it as ~100 MB tar shards written from the same
 samples (:mod:`.webdataset_baseline`); MosaicML Streaming and LitData read
