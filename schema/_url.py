@@ -64,10 +64,11 @@ class CassandraOptions:
     #: URL naming it still parses
     protocol_version: int | None = None
     local_dc: str | None = None
-    #: requests in flight per store (reads and writes); reads in flight over a link of RTT r carry at
-    #: most concurrency / r samples per second (1024 at 100 ms: about 5,000/s); a server's store
-    #: holds up to this many samples in memory
-    concurrency: int = 1024
+    #: requests in flight per store (reads and writes): reads in flight over a link of RTT r carry at
+    #: most concurrency / r samples per second (256 at 100 ms: under 2,560/s; raise it for a long
+    #: link), and the nodes hold up to this many answers at once for each store (1024 answers of
+    #: 1 MB overran a 512 MB node's direct memory)
+    concurrency: int = 256
     #: TCP connections per node that sample reads share (protocol v4 multiplexes requests on one,
     #: but one connection carries at most its TCP window per round trip)
     connections: int = 2
