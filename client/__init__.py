@@ -3,6 +3,8 @@
 See ``README.md`` in this folder for a map of the files and the data flow.
 """
 
+from dataferry.schema import CorruptSample, UndecodableSample
+
 from ._dali import DaliIterator, DaliOptions
 from ._engine import Batch, SampleFailed
 from ._http import HttpOptions, HttpSource, RequestRejected, TokenRefused
@@ -30,6 +32,8 @@ __all__ = [
     "Hedge",
     "ErrorPolicy",
     "SampleFailed",
+    "CorruptSample",
+    "UndecodableSample",
     "MemorySource",
     "HttpSource",
     "HttpOptions",

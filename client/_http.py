@@ -18,16 +18,26 @@ with the answer's head or a chunk size line. The arenas come from a
 :class:`~._buffers.BufferPool` and go back to it when nothing refers to them
 any more (one sample kept after its batch keeps its arena: copy it to keep it).
 
-Errors are translated here, at the boundary, and name the service URL:
+Errors are translated here, at the boundary, and name the service URL.
+What no retry can heal is a :class:`~dataferry.schema.PermanentStoreError`,
+raised at once (the engine never retries one); the rest is retried until
+``Retry.deadline``:
 
 =====================================  ==============================
 connection / server                    raised
 =====================================  ==============================
 refused, reset, disconnected, cut      StoreUnavailable
-TLS handshake or verification failed   StoreUnavailable
+certificate not verified (untrusted,   TLSFailed (permanent)
+expired, another host's), TLS refused
+https:// to a plain HTTP port,         ProtocolMismatch (permanent)
+http:// to a TLS port, a peer whose
+answer is not HTTP at all
+TLS cut short (EOF in the handshake)   StoreUnavailable
 malformed HTTP                         StoreUnavailable
 connect/read timeout, 503 store_timeout StoreTimeout
-401                                    TokenRefused (a StoreUnavailable)
+401, 403                               TokenRefused (an AccessDenied:
+                                       permanent, after one more try
+                                       with a rotated token file)
 404 dataset_not_found/split_not_found  DatasetNotFound / SplitNotFound
 503, other 5xx, corrupt stream         StoreUnavailable / StoreError
 other 4xx                              RequestRejected (server's detail)
@@ -44,10 +54,14 @@ come from a dataferry data service: the error is one line with what was
 expected, what answered (status, content type) and the URL asked, never the
 page itself.
 
-Store errors are retryable by the engine; ``RequestRejected`` is not (the same
-request would be rejected again). The token is sent, never logged or shown;
-``HttpOptions.token_file`` is read with :func:`dataferry.schema.read_token_file`,
-the server's reader: the client sends the file's first token.
+Store errors but the permanent ones are retryable by the engine;
+``RequestRejected`` is not (the same request would be rejected again). The
+token is sent, never logged or shown. A token file (``token_file=``) is read
+with :func:`dataferry.schema.read_token_file`, the server's reader: the
+client sends the file's first token, and when the service refuses it (401,
+403) reads the file again and sends the first token in it not refused yet,
+once per request; a literal token refused, or a file with nothing new, is
+TokenRefused at once.
 """
 
 from __future__ import annotations
@@ -55,26 +69,31 @@ from __future__ import annotations
 import asyncio
 import datetime as _dt
 import json
+import logging
 import ssl
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import quote
 
 from yarl import URL
 
 from dataferry.schema import DatasetInfo, IdList, Sample, SampleNotFound, SplitInfo, read_token_file
 from dataferry.schema._errors import (
+    AccessDenied,
     ConfigError,
     DataferryError,
     DatasetNotFound,
+    ProtocolMismatch,
     SplitNotFound,
     StoreError,
     StoreTimeout,
     StoreUnavailable,
+    TLSFailed,
 )
 from dataferry.schema._errors import check as _check
 from dataferry.schema._tokens import valid_token
 from dataferry.schema._wire import (
+    ACCEPT_SUMS,
     FRAMES_TYPE,
     IDLIST_TYPE,
     IDS_TYPE,
@@ -86,9 +105,11 @@ from dataferry.schema._wire import (
 )
 
 from ._buffers import ARENA, BufferPool
-from ._conn import Connection, HttpProtocolError, Pool, Unreachable, collector, read_body
+from ._conn import Connection, HttpProtocolError, NotHttp, Pool, Unreachable, collector, read_body
 
 __all__ = ["HttpSource", "HttpOptions", "TokenRefused", "RequestRejected"]
+
+log = logging.getLogger("dataferry.client")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,15 +127,27 @@ class HttpOptions:
     connect_timeout: float = 10.0
     #: seconds of silence allowed while reading a response
     read_timeout: float = 60.0
-    #: seconds an idle pooled connection is kept (below the server's 75 s, so
-    #: the client, not the server, closes idle connections: no reuse races)
-    keepalive: float = 60.0
+    #: seconds an idle pooled connection may be reused: below the server's 75 s
+    #: (``keepalive_timeout``), so the client, not the server, closes idle
+    #: connections (no reuse races), and below the idle timeout of the
+    #: middleboxes seen dropping flows silently (a 30 s relay): a pause longer
+    #: than this costs a new handshake per connection, never a dead one
+    keepalive: float = 25.0
+    #: seconds a request sent on a connection that idled (1 s or more) waits for
+    #: its answer's first byte before it is sent again on a new connection (a
+    #: middlebox may have dropped the idle flow without a word); the deadline is
+    #: 4 x the slowest first byte of the last 64 answers when that is larger, so
+    #: a service that queues (its ``queue_timeout`` is 2 s) or a long link is
+    #: not cut short. A request's own size hardly moves its first byte: its body
+    #: is 8 bytes an id, and the server answers once the first sample is read
+    first_byte_timeout: float = 2.0
     #: PEM bundle to verify the server's certificate with (default: system CAs)
     ca_file: str | None = None
     #: verify the server's certificate and host name (off only for testing)
     verify: bool = True
     #: read the bearer token from this file when ``open`` is given none: the
-    #: server's token file (one per line, # comments); the first token is sent
+    #: server's token file (one per line, # comments); the first token is sent,
+    #: and the file is read again when the service refuses it (a rotation)
     token_file: str | None = None
     #: bytes of received samples a response may hold, not yet taken by the
     #: engine, before its socket is paused (backpressure to the server). Judged
@@ -138,7 +171,8 @@ class HttpOptions:
     def __post_init__(self) -> None:
         _check(self.connections >= 1, f"connections must be >= 1, not {self.connections}")
         _check(self.request_size >= 1, f"request_size must be >= 1, not {self.request_size}")
-        _check(min(self.connect_timeout, self.read_timeout, self.keepalive, self.derive_timeout) > 0,
+        _check(min(self.connect_timeout, self.read_timeout, self.keepalive, self.derive_timeout,
+                   self.first_byte_timeout) > 0,
                "timeouts must be > 0")
         _check(self.read_buffer >= 1 << 14, "read_buffer must be at least 16 KiB")
         _check(self.max_record_bytes >= 1 << 16, "max_record_bytes must be at least 64 KiB")
@@ -146,8 +180,9 @@ class HttpOptions:
         _check(self.arena >= 1 << 16, f"arena must be at least 64 KiB, not {self.arena}")
 
 
-class TokenRefused(StoreUnavailable):
-    """The data service answered 401: the token is missing or wrong."""
+class TokenRefused(AccessDenied):
+    """The data service answered 401 or 403: the token is missing, wrong or
+    revoked (and a token file had no other to try). Never retried."""
 
 
 class RequestRejected(DataferryError):
@@ -209,7 +244,8 @@ def _ssl_context(options: HttpOptions) -> ssl.SSLContext:
 class HttpSource:
     """A data service at ``url``, read over HTTP(S). Open with :meth:`open`."""
 
-    def __init__(self, url: str, pool: Pool, options: HttpOptions, token: str | None) -> None:
+    def __init__(self, url: str, pool: Pool, options: HttpOptions, token: str | None,
+                 token_file: str | None = None) -> None:
         self.url = url
         self.options = options
         self.preferred_request_size = options.request_size
@@ -221,21 +257,55 @@ class HttpSource:
         self._has_token = token is not None
         u = URL(url)
         host = f"[{u.host}]" if ":" in (u.host or "") else u.host
-        netloc = host if u.is_default_port() else f"{host}:{u.port}"
+        self._netloc = host if u.is_default_port() else f"{host}:{u.port}"
         self._prefix = u.raw_path.rstrip("/")
+        self._token_file = token_file  # read again when the token is refused (None: a literal token)
+        self._refused: set[str] = set()  # tokens the service refused (kept to skip them in the file; never shown)
+        self._use_token(token)
+
+    def _use_token(self, token: str | None) -> None:
+        """Send ``token`` from now on (the request heads made before are dropped)."""
+        self._token = token
         auth = f"Authorization: Bearer {token}\r\n" if token else ""
-        self._headers = f"Host: {netloc}\r\nUser-Agent: dataferry\r\nAccept-Encoding: identity\r\n{auth}"
+        self._headers = f"Host: {self._netloc}\r\nUser-Agent: dataferry\r\nAccept-Encoding: identity\r\n{auth}"
         self._fetch_heads: dict[str, tuple[str, bytes]] = {}  # dataset -> (path, request head up to its length)
 
+    def _rotated(self, refused: str | None) -> bool:
+        """After the service refused ``refused``: whether a request may go once more, with another
+        token (one another request took already, or the first in the token file not refused yet)."""
+        if self._token != refused:
+            return True
+        if self._token_file is None or refused is None:
+            return False
+        self._refused.add(refused)
+        try:
+            tokens = read_token_file(self._token_file)
+        except ConfigError as exc:
+            log.warning("the data service at %s refused the token, and %s", self.url, exc)
+            return False
+        fresh = next((t for t in tokens if t not in self._refused), None)
+        if fresh is None:
+            return False
+        log.warning("the data service at %s refused the token; sending the next one in %r", self.url,
+                    self._token_file)
+        self._use_token(fresh)
+        return True
+
     @classmethod
-    async def open(cls, url: str, *, token: str | None = None, options: HttpOptions = HttpOptions()) -> HttpSource:
-        """A source for the service at ``url`` (``http(s)://host:port[/prefix]``).
+    async def open(cls, url: str, *, token: str | None = None, token_file: str | None = None,
+                   options: HttpOptions = HttpOptions()) -> HttpSource:
+        """A source for the service at ``url`` (``http(s)://host:port[/prefix]``), sending ``token``,
+        or the first token of ``token_file`` (else ``options.token_file``), read again when refused.
 
         Connects lazily: a dead server shows up as StoreUnavailable on the first call.
         """
         base = _base_url(url)
-        if token is None and options.token_file is not None:
-            token = read_token_file(options.token_file)[0]  # the server accepts each; a rotation lists old first
+        if token_file is not None:
+            _check(token is None, "pass token= or token_file=, not both")
+            options = replace(options, token_file=token_file)
+        file = options.token_file if token is None else None
+        if file is not None:
+            token = read_token_file(file)[0]  # the server accepts each; a rotation lists old first
         if token is not None:
             _check(valid_token(token), "token must be non-empty printable ASCII without spaces")
         u = URL(base)
@@ -243,8 +313,9 @@ class HttpSource:
             u.host, u.port, ssl_context=_ssl_context(options) if u.scheme == "https" else None,
             connections=options.connections, connect_timeout=options.connect_timeout,
             read_timeout=options.read_timeout, keepalive=options.keepalive,
+            first_byte_timeout=options.first_byte_timeout,
         )
-        return cls(base, pool, options, token)
+        return cls(base, pool, options, token, file)
 
     # --- the seam ------------------------------------------------------------------
     async def fetch(self, dataset: str, ids: Sequence[int]) -> AsyncIterator[Sample | SampleNotFound]:
@@ -252,45 +323,50 @@ class HttpSource:
         if not len(ids):
             return
         what = f"fetch of {len(ids)} samples of dataset {dataset!r}"
-        answered = 0
-        made = self._fetch_heads.get(dataset)
-        if made is None:  # the request's head, but for its length, made once per dataset
-            path = self._path(dataset, "samples")
-            made = self._fetch_heads[dataset] = (path, self._head("POST", path, IDS_TYPE))
-        path, head = made
         body = encode_ids(ids)
-        request = b"%s%d\r\n\r\n%s" % (head, len(body), body)
-        decoder = FrameDecoder(dataset, max_record=self.options.max_record_bytes, arena=self._buffers.take,
-                               give_back=self._buffers.give_back, expect=len(ids), mean=self._mean_record)
-        try:
-            async with self._open_pool().exchange(request, FRAMES_TYPE, decoder,
-                                                  pause_above=self.options.read_buffer) as conn:
-                await self._check_response(conn, "POST", path, FRAMES_TYPE, what, dataset=dataset)
-                while True:
-                    if decoder.records:
-                        for rec in decoder.take():
-                            if type(rec) is Sample or type(rec) is SampleNotFound:
-                                answered += 1
-                                yield rec
-                            elif type(rec) is ErrorRecord:
-                                cls = StoreTimeout if rec.error == "store_timeout" else StoreUnavailable
-                                raise cls(f"{self.url}: {what} failed after {answered} answers: {rec.detail}")
-                            elif answered != len(ids):
-                                raise StoreError(f"{self.url}: {what} ended after {answered} answers")
-                        conn.resume()
-                    elif conn.complete:  # the body's end (after END, so the connection goes back to the pool)
-                        if not decoder.done:
-                            raise ConnectionResetError("the answer ended in the middle of the records")
-                        self._mean_record = decoder.mean  # what the next response's arena region is sized by
-                        return
-                    else:
-                        await conn.wait()
-        except WireFormatError as exc:
-            raise StoreError(f"{self.url}: corrupt response to {what}: {exc}") from exc
-        except DataferryError:
-            raise  # translated already (a StoreTimeout is a TimeoutError too)
-        except _TRANSPORT_ERRORS as exc:
-            raise self._translate(exc, f"{what} (after {answered} answers)") from exc
+        for again in (False, True):
+            answered = 0
+            sent_with = self._token
+            made = self._fetch_heads.get(dataset)
+            if made is None:  # the request's head, but for its length, made once per dataset (and token)
+                path = self._path(dataset, "samples")
+                made = self._fetch_heads[dataset] = (path, self._head("POST", path, IDS_TYPE, accept=ACCEPT_SUMS))
+            path, head = made
+            request = b"%s%d\r\n\r\n%s" % (head, len(body), body)
+            decoder = FrameDecoder(dataset, max_record=self.options.max_record_bytes, arena=self._buffers.take,
+                                   give_back=self._buffers.give_back, expect=len(ids), mean=self._mean_record)
+            try:
+                async with self._open_pool().exchange(request, FRAMES_TYPE, decoder,
+                                                      pause_above=self.options.read_buffer) as conn:
+                    await self._check_response(conn, "POST", path, FRAMES_TYPE, what, dataset=dataset)
+                    while True:
+                        if decoder.records:
+                            for rec in decoder.take():
+                                if type(rec) is Sample or type(rec) is SampleNotFound:
+                                    answered += 1
+                                    yield rec
+                                elif type(rec) is ErrorRecord:
+                                    cls = StoreTimeout if rec.error == "store_timeout" else StoreUnavailable
+                                    raise cls(f"{self.url}: {what} failed after {answered} answers: {rec.detail}")
+                                elif answered != len(ids):
+                                    raise StoreError(f"{self.url}: {what} ended after {answered} answers")
+                            conn.resume()
+                        elif conn.complete:  # the body's end (after END, so the connection goes back to the pool)
+                            if not decoder.done:
+                                raise ConnectionResetError("the answer ended in the middle of the records")
+                            self._mean_record = decoder.mean  # what the next response's arena region is sized by
+                            return
+                        else:
+                            await conn.wait()
+            except WireFormatError as exc:
+                raise StoreError(f"{self.url}: corrupt response to {what}: {exc}") from exc
+            except TokenRefused:
+                if again or answered or not self._rotated(sent_with):
+                    raise
+            except DataferryError:
+                raise  # translated already (a StoreTimeout is a TimeoutError too)
+            except _TRANSPORT_ERRORS as exc:
+                raise self._translate(exc, f"{what} (after {answered} answers)") from exc
 
     # --- catalog -------------------------------------------------------------------
     async def list_datasets(self) -> list[DatasetInfo]:
@@ -444,9 +520,11 @@ class HttpSource:
     def _path(self, dataset: str, *rest: str) -> str:
         return "/".join(["/v1/datasets", *(quote(p, safe="") for p in (dataset, *rest))])
 
-    def _head(self, method: str, path: str, ctype: str | None = None) -> bytes:
+    def _head(self, method: str, path: str, ctype: str | None = None, *, accept: str | None = None) -> bytes:
         """The request's head; with a body (of ``ctype``), up to its Content-Length's value."""
         head = f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._headers}"
+        if accept is not None:  # the batch fetch asks for records with the stored checksums
+            head += f"Accept: {accept}\r\n"
         if ctype is not None:
             head += f"Content-Type: {ctype}\r\nContent-Length: "
         return head.encode("latin-1")
@@ -458,18 +536,24 @@ class HttpSource:
     async def _read(self, method: str, path: str, ctype: str, what: str, *, json_body: bytes | None = None,
                     **names: str) -> bytes:
         """The whole answer to ``method path`` (sending ``json_body``, if any), checked to be a 200 of ``ctype``."""
-        if json_body is None:
-            request = self._request(method, path)
-        else:
-            request = self._request(method, path, json_body, "application/json")
-        try:
-            async with self._open_pool().exchange(request, ctype, collector()) as conn:
-                await self._check_response(conn, method, path, ctype, what, **names)
-                return await read_body(conn)
-        except DataferryError:
-            raise  # translated already (a StoreTimeout is a TimeoutError too)
-        except _TRANSPORT_ERRORS as exc:
-            raise self._translate(exc, what) from exc
+        for again in (False, True):
+            sent_with = self._token
+            if json_body is None:
+                request = self._request(method, path)
+            else:
+                request = self._request(method, path, json_body, "application/json")
+            try:
+                async with self._open_pool().exchange(request, ctype, collector()) as conn:
+                    await self._check_response(conn, method, path, ctype, what, **names)
+                    return await read_body(conn)
+            except TokenRefused:
+                if again or not self._rotated(sent_with):
+                    raise
+            except DataferryError:
+                raise  # translated already (a StoreTimeout is a TimeoutError too)
+            except _TRANSPORT_ERRORS as exc:
+                raise self._translate(exc, what) from exc
+        raise AssertionError("unreachable")  # the second try returns or raises
 
     async def _get_json(self, path: str, what: str, **names: str) -> dict:
         raw = await self._read("GET", path, "application/json", what, **names)

@@ -170,15 +170,19 @@ class Hedge:
 
 @dataclass(frozen=True, slots=True)
 class ErrorPolicy:
-    """What happens to a sample that fails for good (unknown id, retries spent).
+    """What happens to a sample that fails for good (unknown id, retries spent, bytes
+    that do not match their stored checksum, or that fail to decode in an iterator).
 
     ``"raise"``: iteration raises, naming the sample id. ``"skip"``: the sample
     is left out and counted; more than ``max_skipped`` skips in one epoch
-    raises.
+    raises. ``verify``: check every sample that has a stored checksum against
+    its bytes where they arrive (a mismatch is ``CorruptSample``, never
+    delivered); samples stored without one are delivered unchecked.
     """
 
     on_error: Literal["raise", "skip"] = "raise"
     max_skipped: int = 0
+    verify: bool = True
 
     def __post_init__(self) -> None:
         _check(self.on_error in ("raise", "skip"), f"on_error must be 'raise' or 'skip', not {self.on_error!r}")

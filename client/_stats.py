@@ -5,7 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, fields
 
-__all__ = ["Counters", "Taken", "Stats", "snapshot"]
+__all__ = ["Counters", "Taken", "Stats", "snapshot", "MAX_IDS"]
+
+#: sample ids kept per kind of damage in ``Stats`` (the counts go on)
+MAX_IDS = 1000
 
 
 class Counters:
@@ -30,6 +33,9 @@ class Counters:
         self.budget_full = 0.0
         self.answers = 0
         self.latency_sum = 0.0
+        # samples whose bytes did not match their stored checksum (left out: ErrorPolicy skip)
+        self.corrupt = 0
+        self.corrupt_ids: list[int] = []  # the first MAX_IDS of them
 
 
 class Taken:
@@ -50,6 +56,9 @@ class Taken:
         self.decode_threads = 0  # gauge; 0: no iterator
         self.decode_queue = 0  # gauge: batches in the iterator's decode queue
         self.decode_depth = 0  # gauge: its capacity
+        # samples an iterator could not decode (left out: ErrorPolicy skip)
+        self.undecodable = 0
+        self.undecodable_ids: list[int] = []  # the first MAX_IDS of them
 
 
 def _ms(v: float | None) -> str:
@@ -91,6 +100,10 @@ def snapshot(c: Counters, taken: Taken, ready_bytes: int) -> Stats:
         decode_threads=taken.decode_threads,
         decode_queue=taken.decode_queue,
         decode_depth=taken.decode_depth,
+        corrupt=c.corrupt,
+        corrupt_ids=tuple(c.corrupt_ids),
+        undecodable=taken.undecodable,
+        undecodable_ids=tuple(taken.undecodable_ids),
     )
 
 
@@ -147,6 +160,13 @@ class Stats:
     decode_threads: int = 0
     decode_queue: int = 0
     decode_depth: int = 0
+    #: samples left out because their bytes did not match the checksum stored with them
+    #: (``ErrorPolicy(on_error="skip")``; counted in ``skipped`` too), and the first 1,000 ids
+    corrupt: int = 0
+    corrupt_ids: tuple[int, ...] = ()
+    #: samples an iterator left out because they failed to decode, and the first 1,000 ids
+    undecodable: int = 0
+    undecodable_ids: tuple[int, ...] = ()
 
     @property
     def samples_per_s(self) -> float:
@@ -182,7 +202,7 @@ class Stats:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         for name in ("elapsed", "samples", "batches", "bytes", "wait", "skipped", "received", "requests",
                      "retries", "failures", "hedges", "duplicates", "window_full", "budget_full", "answers", "latency_sum",
-                     "decode_wait", "decode_busy"):
+                     "decode_wait", "decode_busy", "corrupt", "undecodable"):
             d[name] = getattr(self, name) - getattr(earlier, name)
         return Stats(**d)
 

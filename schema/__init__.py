@@ -14,10 +14,11 @@ import importlib
 #: the public API: module -> the names it defines (imported lazily, PEP 562)
 _WHERE = {
     "_errors": (
-        "DataferryError ConfigError StoreError StoreUnavailable StoreTimeout NotFound "
-        "DatasetNotFound SplitNotFound SampleNotFound IntegrityError InvalidImage"
+        "DataferryError ConfigError StoreError StoreUnavailable StoreTimeout PermanentStoreError AccessDenied "
+        "TLSFailed ProtocolMismatch NotFound "
+        "DatasetNotFound SplitNotFound SampleNotFound IntegrityError CorruptSample UndecodableSample InvalidImage"
     ),
-    "_model": "Sample SampleMeta DatasetInfo SplitInfo IdList sample_id check_name ALL_SPLIT",
+    "_model": "Sample SampleMeta DatasetInfo SplitInfo IdList sample_id sample_checksum check_name ALL_SPLIT",
     "_store": "SampleSource Store SampleRecord FetchResult",
     "_open": "open_store",
     "_url": "parse_store_url SqliteOptions CassandraOptions DEFAULT_STORE_URL",

@@ -40,7 +40,7 @@ from contextlib import aclosing
 from ._cqlconnect import open_cluster, shutdown, translate, where
 from ._cqlfast import Again, HotReads
 from ._errors import DatasetNotFound, SampleNotFound, SplitNotFound, StoreError, StoreUnavailable
-from ._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo, check_name
+from ._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo, check_name, sample_checksum
 from ._splits import DerivedSplit
 from ._store import FetchResult, SampleRecord
 from ._url import CassandraOptions, redact_url
@@ -52,13 +52,15 @@ _CLOSE_GRACE_S = 2.0
 
 # name -> CQL with {ks}
 _STATEMENTS = {
-    "fetch": "SELECT label, data, target FROM {ks}.samples WHERE dataset=? AND id=?",
+    "fetch": "SELECT label, data, target, xxh3 FROM {ks}.samples WHERE dataset=? AND id=?",
+    # a keyspace made before samples kept their checksum (until `schema apply` adds the column)
+    "fetch_v0": "SELECT label, data, target FROM {ks}.samples WHERE dataset=? AND id=?",
     "meta": "SELECT label, path, format, width, height, size, checksum, tags FROM {ks}.sample_meta "
             "WHERE dataset=? AND id=?",
     "exists": "SELECT id FROM {ks}.sample_meta WHERE dataset=? AND id=?",
     # No null binds: a null written is a tombstone per row; a sample without target names fewer columns.
-    "put_sample": "INSERT INTO {ks}.samples (dataset, id, label, data) VALUES (?,?,?,?)",
-    "put_sample_target": "INSERT INTO {ks}.samples (dataset, id, label, data, target) VALUES (?,?,?,?,?)",
+    "put_sample": "INSERT INTO {ks}.samples (dataset, id, label, data, xxh3) VALUES (?,?,?,?,?)",
+    "put_sample_target": "INSERT INTO {ks}.samples (dataset, id, label, data, target, xxh3) VALUES (?,?,?,?,?,?)",
     "put_meta": "INSERT INTO {ks}.sample_meta (dataset, id, label, path, format, width, height, size, checksum, "
                 "tags) VALUES (?,?,?,?,?,?,?,?,?,?)",
     "datasets": "SELECT name, label_names, num_samples, created FROM {ks}.datasets",
@@ -80,7 +82,8 @@ _STATEMENTS = {
 }
 
 #: Statements read through the hot path (``_cqlfast.HotReads``): single-row reads of int and blob columns.
-_HOT = {"fetch": ("int", "blob", "blob")}  # name -> the CQL types of its result columns
+_HOT = {"fetch": ("int", "blob", "blob", "bigint")}  # name -> the CQL types of its result columns
+_HOT_V0 = ("int", "blob", "blob")  # "fetch" prepared as "fetch_v0": a keyspace without the xxh3 column
 
 #: Prepared while the store opens, in parallel: what a Loader needs before its first batch
 #: (the split's id list, the samples), and what says whether the keyspace and tables exist.
@@ -133,6 +136,12 @@ def _no_keyspace(exc: BaseException, keyspace: str) -> bool:
     """Whether the server said that ``keyspace`` does not exist (preparing a statement in it)."""
     text = str(exc).lower()
     return keyspace.lower() in text and "keyspace" in text and "not exist" in text
+
+
+def _no_checksum_column(exc: BaseException) -> bool:
+    """Whether preparing "fetch" failed because ``samples`` has no xxh3 column (an older keyspace)."""
+    text = str(exc).lower()
+    return "xxh3" in text and ("undefined column" in text or "unknown" in text or "no column" in text)
 
 
 def _refused_unsent(exc: BaseException) -> bool:
@@ -193,7 +202,13 @@ class CassandraStore:
         async def prepare(name):
             ps = early.get(queries[name])
             if ps is None:
-                return await asyncio.to_thread(cls._prepare, session, name, opts)
+                try:
+                    ps = await asyncio.to_thread(cls._prepare, session, name, opts)
+                except Exception as exc:
+                    ps = exc
+            if isinstance(ps, BaseException) and name == "fetch" and _no_checksum_column(ps):
+                # a keyspace made before samples kept their checksum: read without it (nothing to verify)
+                ps = await asyncio.to_thread(cls._prepare, session, "fetch_v0", opts)
             if isinstance(ps, BaseException):
                 raise ps
             return ps
@@ -261,7 +276,10 @@ class CassandraStore:
         ``hot``: the name of a statement the hot path may send (it hands back what it cannot: :meth:`_drain`)."""
         self._inflight += 1
         self._idle.clear()
-        if hot and self._hot is not None and self._hot.send(ps, _HOT[hot], params, (sink, key)):
+        types = _HOT[hot] if hot else ()
+        if hot and len(types) != len(ps.result_metadata or types):
+            types = _HOT_V0
+        if hot and self._hot is not None and self._hot.send(ps, types, params, (sink, key)):
             return
         self._send(ps, params, sink, key)
 
@@ -391,8 +409,7 @@ class CassandraStore:
         jobs = ((i, (dataset, i)) for i in ids)
         async for i, rows in self._many("fetch", jobs, f"fetch from dataset {dataset!r}"):
             if rows:
-                label, data, target = rows[0]
-                yield Sample(i, label, data, target)
+                yield Sample(i, *rows[0])  # label, data, target[, xxh3]
             else:
                 yield SampleNotFound(dataset, i)
 
@@ -515,10 +532,22 @@ class CassandraStore:
         # without target leaves the column untouched (see "put_sample").
         plain = [r.sample for r in records if r.sample.target is None]
         targets = [r.sample for r in records if r.sample.target is not None]
-        await self._run_all("put_sample", ((dataset, s.id, s.label, s.data) for s in plain), what)
-        await self._run_all(
-            "put_sample_target", ((dataset, s.id, s.label, s.data, s.target) for s in targets), what
-        )
+        # The checksum of the bytes written, whatever the caller's Sample says.
+        try:
+            await self._run_all(
+                "put_sample", ((dataset, s.id, s.label, s.data, sample_checksum(s.data)) for s in plain), what
+            )
+            await self._run_all(
+                "put_sample_target",
+                ((dataset, s.id, s.label, s.data, s.target, sample_checksum(s.data)) for s in targets), what,
+            )
+        except StoreError as exc:
+            if not _no_checksum_column(exc):
+                raise
+            raise StoreError(
+                f"{self._named}: table samples has no xxh3 column (a keyspace made before samples kept "
+                f"their checksum); add it with: dataferry schema apply --store {redact_url(self.url)}"
+            ) from exc
         await self._run_all(
             "put_meta",
             (

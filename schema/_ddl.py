@@ -7,7 +7,9 @@ as it is, so running ``apply`` again is safe; it does not change the
 replication of an existing keyspace. The compression map is written in the
 form of Cassandra 3.0+ (``{'enabled': 'false'}``); a server that refuses it
 (ScyllaDB, which reports release 3.0.8) is asked again with the older form
-(``{'sstable_compression': ''}``). It works with a node down: the DDL and the
+(``{'sstable_compression': ''}``). An ``ALTER TABLE ... ADD`` of a column
+that exists already (a table created with it) counts as done, so a keyspace
+made by an older release gets the columns added since. It works with a node down: the DDL and the
 schema agreement that follows it involve the nodes that are up.
 """
 
@@ -52,6 +54,11 @@ def schema_statements(opts: CassandraOptions, *, legacy_compression: bool = Fals
     return statements
 
 
+_ADD_COLUMN = re.compile(r"\s*ALTER\s+TABLE\s+\S+\s+ADD\s", re.IGNORECASE)
+#: how Cassandra 2.2-5.0 and ScyllaDB refuse to add a column that exists
+_EXISTING_COLUMN = re.compile(r"conflicts with an existing column|already exist", re.IGNORECASE)
+
+
 def _swap_compression(stmt: str) -> str | None:
     if MODERN_NO_COMPRESSION in stmt:
         return stmt.replace(MODERN_NO_COMPRESSION, LEGACY_NO_COMPRESSION)
@@ -74,6 +81,8 @@ def _execute(session, stmt: str) -> str:
     except AlreadyExists:
         return stmt
     except RequestValidationException as exc:
+        if _ADD_COLUMN.match(stmt) and _EXISTING_COLUMN.search(str(exc)):
+            return stmt  # the column is there (the table was created with it, or added before)
         other = _swap_compression(stmt)
         if other is None:
             raise

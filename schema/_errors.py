@@ -11,13 +11,20 @@ store URL or address.
     DataferryError
     ├── ConfigError            bad option value, malformed store URL
     ├── StoreError             the store failed or could not be reached
-    │   ├── StoreUnavailable   no connection (dead host, refused, auth failed)
-    │   └── StoreTimeout       a request outlived its timeout
+    │   ├── StoreUnavailable   no connection (dead host, refused, reset): retried
+    │   ├── StoreTimeout       a request outlived its timeout: retried
+    │   └── PermanentStoreError what no retry can heal: raised at once, never retried
+    │       ├── AccessDenied   the store refused the credentials (HTTP 401/403)
+    │       ├── TLSFailed      the certificate failed verification, or the TLS handshake did
+    │       └── ProtocolMismatch the peer does not speak what the URL says (not HTTP,
+    │                          http:// to a TLS port, https:// to a plain one)
     ├── NotFound               (a LookupError)
     │   ├── DatasetNotFound    unknown dataset, naming it and the store, on every path
     │   ├── SplitNotFound      a known dataset's unknown split
     │   └── SampleNotFound     also *yielded* (not raised) by SampleSource.fetch
     ├── IntegrityError         stored data contradicts itself (id collision, ...)
+    │   └── CorruptSample      a sample's bytes do not match the checksum stored with them
+    ├── UndecodableSample      a delivered sample's bytes failed to decode (dataset + id)
     └── InvalidImage           a source file failed validation (path + reason)
 """
 
@@ -30,11 +37,17 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "StoreTimeout",
+    "PermanentStoreError",
+    "AccessDenied",
+    "TLSFailed",
+    "ProtocolMismatch",
     "NotFound",
     "DatasetNotFound",
     "SplitNotFound",
     "SampleNotFound",
     "IntegrityError",
+    "CorruptSample",
+    "UndecodableSample",
     "InvalidImage",
 ]
 
@@ -52,11 +65,31 @@ class StoreError(DataferryError):
 
 
 class StoreUnavailable(StoreError):
-    """The store cannot be reached (refused, dead host, bad credentials)."""
+    """The store cannot be reached (refused, dead host, reset): worth retrying."""
 
 
 class StoreTimeout(StoreError, TimeoutError):
     """A store request did not complete within its timeout."""
+
+
+class PermanentStoreError(StoreError):
+    """The store answered, or the peer can be reached, but no retry will help:
+    the engine and the catalog reads raise it at once instead of retrying for
+    ``Retry.deadline``. The message names the cause and the URL."""
+
+
+class AccessDenied(PermanentStoreError):
+    """The store refused the credentials (bad, missing or revoked): HTTP 401 or 403."""
+
+
+class TLSFailed(PermanentStoreError):
+    """The server's certificate failed verification (untrusted, expired, another
+    host's), or the TLS handshake failed for a reason a retry cannot change."""
+
+
+class ProtocolMismatch(PermanentStoreError):
+    """The peer does not speak what the URL says: not HTTP at all, ``http://``
+    to a TLS port, ``https://`` to a plain HTTP port."""
 
 
 class NotFound(DataferryError, LookupError):
@@ -121,6 +154,39 @@ class SampleNotFound(NotFound):
 
 class IntegrityError(DataferryError):
     """Stored data contradicts itself, e.g. two paths hash to one sample id."""
+
+
+class CorruptSample(IntegrityError):
+    """A sample's bytes do not match the checksum stored with them: changed after
+    ingest (on disk, in the store, on the way). Never delivered; ``ErrorPolicy``
+    decides whether it raises or is skipped and counted."""
+
+    def __init__(self, dataset: str, id: int, store: str | None = None, detail: str = "") -> None:
+        where = f" in {store}" if store else ""
+        super().__init__(
+            f"corrupt sample {id} of dataset {dataset!r}{where}: checksum mismatch"
+            + (f" ({detail})" if detail else "") + "; run `dataferry verify` to list every damaged sample"
+        )
+        self.dataset = dataset
+        self.id = id
+        self.store = store
+        self.detail = detail
+
+    def __reduce__(self):
+        return (CorruptSample, (self.dataset, self.id, self.store, self.detail))
+
+
+class UndecodableSample(DataferryError):
+    """A delivered sample's bytes failed to decode in an iterator (``reason`` says how)."""
+
+    def __init__(self, dataset: str, id: int, reason: str) -> None:
+        super().__init__(f"sample {id} of dataset {dataset!r} failed to decode: {reason}")
+        self.dataset = dataset
+        self.id = id
+        self.reason = reason
+
+    def __reduce__(self):
+        return (UndecodableSample, (self.dataset, self.id, self.reason))
 
 
 class InvalidImage(DataferryError):

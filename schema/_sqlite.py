@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from ._errors import DatasetNotFound, SampleNotFound, SplitNotFound, StoreError, StoreTimeout, StoreUnavailable
-from ._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo, check_name
+from ._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo, check_name, sample_checksum
 from ._splits import DerivedSplit
 from ._store import FetchResult, SampleRecord
 from ._url import SqliteOptions
@@ -39,7 +39,7 @@ __all__ = ["SqliteStore"]
 _DDL = """
 CREATE TABLE IF NOT EXISTS samples (
     dataset TEXT NOT NULL, id INTEGER NOT NULL, label INTEGER NOT NULL,
-    data BLOB NOT NULL, target BLOB, PRIMARY KEY (dataset, id));
+    data BLOB NOT NULL, target BLOB, xxh3 INTEGER, PRIMARY KEY (dataset, id));
 CREATE TABLE IF NOT EXISTS sample_meta (
     dataset TEXT NOT NULL, id INTEGER NOT NULL, label INTEGER NOT NULL,
     path TEXT NOT NULL, format TEXT NOT NULL, width INTEGER NOT NULL, height INTEGER NOT NULL,
@@ -65,6 +65,10 @@ CREATE TABLE IF NOT EXISTS derived_splits (
 """
 _DDL += _DERIVED_DDL
 
+#: a file made before samples kept their checksum gets the column (NULL for its old rows) on
+#: any open with ``create``; a read-only open of such a file reads no checksum (nothing to verify)
+_CHECKSUM_COLUMN = "ALTER TABLE samples ADD COLUMN xxh3 INTEGER"
+
 _IN_LIMIT = 500  # ids per "IN (...)" for catalog-side lookups
 _SCAN_PAGE = 4096  # ids per page of scan_meta
 #: page cache per reader connection (SQLite's default is 2000 KiB). A sample
@@ -83,8 +87,18 @@ def _chunks(seq: Sequence, n: int):
 
 def _answers(dataset: str, group: Sequence[int], rows: list[tuple]) -> list[FetchResult]:
     """One query's results, in the order of ``group``: a Sample per row, SampleNotFound for an id with none."""
-    found = {r[0]: Sample(r[0], r[1], r[2], r[3]) for r in rows}
+    found = {r[0]: Sample(*r) for r in rows}
     return [s if (s := found.get(i)) is not None else SampleNotFound(dataset, i) for i in group]
+
+
+def _create(conn: sqlite3.Connection) -> None:
+    conn.executescript(_DDL)
+    if not _has_checksum(conn):
+        conn.execute(_CHECKSUM_COLUMN)
+
+
+def _has_checksum(conn: sqlite3.Connection) -> bool:
+    return any(r[1] == "xxh3" for r in conn.execute("PRAGMA table_info(samples)"))
 
 
 class SqliteStore:
@@ -99,6 +113,7 @@ class SqliteStore:
         self._readers = ThreadPoolExecutor(opts.readers, thread_name_prefix="dataferry-sqlite-r")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="dataferry-sqlite-w")
         self._closed = False
+        self._has_checksum = True  # whether ``samples`` has the xxh3 column (a file made before it may not)
 
     @classmethod
     async def open(cls, opts: SqliteOptions, *, url: str, create: bool = True) -> SqliteStore:
@@ -107,8 +122,9 @@ class SqliteStore:
         store = cls(opts, url)
         try:
             if create:  # a read-only open (a loader) never opens the writer's connection
-                await store._run(store._writer, lambda c: c.executescript(_DDL))
+                await store._run(store._writer, _create)
             await store._read(lambda c: c.execute("SELECT 1 FROM datasets LIMIT 1").fetchall())
+            store._has_checksum = await store._read(_has_checksum)
         except BaseException:
             await store.close()
             raise
@@ -224,10 +240,11 @@ class SqliteStore:
         ids = list(ids)
         pending: set[asyncio.Future] = set()
         window = 2 * self._opts.readers
+        sums = ", xxh3" if self._has_checksum else ""
 
         def query(conn, group):
             marks = ",".join("?" * len(group))
-            sql = f"SELECT id, label, data, target FROM samples WHERE dataset=? AND id IN ({marks})"
+            sql = f"SELECT id, label, data, target{sums} FROM samples WHERE dataset=? AND id IN ({marks})"
             return group, conn.execute(sql, (dataset, *group)).fetchall()
 
         if 0 < len(ids) <= n:  # one query (a served request's ids): awaited here, no task and no wait()
@@ -364,9 +381,10 @@ class SqliteStore:
         check_name("dataset", dataset)
 
         def w(c):
-            c.executemany(
-                "INSERT OR REPLACE INTO samples VALUES (?,?,?,?,?)",
-                [(dataset, r.sample.id, r.sample.label, r.sample.data, r.sample.target) for r in records],
+            c.executemany(  # the checksum of the bytes written, whatever the caller's Sample says
+                "INSERT OR REPLACE INTO samples (dataset, id, label, data, target, xxh3) VALUES (?,?,?,?,?,?)",
+                [(dataset, r.sample.id, r.sample.label, r.sample.data, r.sample.target,
+                  sample_checksum(r.sample.data)) for r in records],
             )
             c.executemany(
                 "INSERT OR REPLACE INTO sample_meta VALUES (?,?,?,?,?,?,?,?,?,?)",

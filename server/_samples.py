@@ -10,7 +10,8 @@ Two tasks per request, joined by a byte-bounded :class:`Outbox`::
                                                           transport.writelines; then
                                                           awaits drain: backpressure
 
-* Per sample the server does no more than it must: one 28-byte header, the
+* Per sample the server does no more than it must: one 28-byte header (36 with
+  the stored checksum, passed on unverified: the client checks it end to end), the
   store's bytes objects passed through to the socket as they are (no join,
   no copy), counters added once per request, and one store deadline per
   request pushed forward as results come (``_Watchdog``), not a timer per
@@ -39,7 +40,7 @@ from aiohttp.abc import AbstractStreamWriter
 
 from dataferry.schema import Sample
 from dataferry.schema._errors import StoreError, StoreTimeout
-from dataferry.schema._wire import FRAMES_TYPE, encode_end, encode_error, encode_not_found, encode_sample
+from dataferry.schema._wire import FRAMES_TYPE, encode_end, encode_error, encode_not_found, encode_sample, wants_sums
 
 from ._gate import StoreGate
 from ._metrics import Metrics
@@ -150,7 +151,8 @@ class _Watchdog:
         self._handle.cancel()
 
 
-async def _produce(gate: StoreGate, dataset: str, ids: np.ndarray, outbox: Outbox, metrics: Metrics) -> None:
+async def _produce(gate: StoreGate, dataset: str, ids: np.ndarray, outbox: Outbox, metrics: Metrics,
+                   sums: bool = False) -> None:
     limit = gate.options.store_timeout
     t0 = time.perf_counter()
     found = missing = 0
@@ -164,7 +166,7 @@ async def _produce(gate: StoreGate, dataset: str, ids: np.ndarray, outbox: Outbo
                     metrics.store_latency.labels(op="fetch_first").observe(time.perf_counter() - t0)
                 if type(result) is Sample:
                     found += 1
-                    parts = encode_sample(result)
+                    parts = encode_sample(result, sums)
                     outbox.add(parts, sum(map(len, parts)))
                 else:
                     missing += 1
@@ -206,7 +208,10 @@ async def stream_samples(request: web.Request, gate: StoreGate, dataset: str, id
     options: ServerOptions = gate.options
     metrics = gate.metrics
     outbox = Outbox(options.buffer_bytes)
-    producer = asyncio.create_task(_produce(gate, dataset, ids, outbox, metrics))
+    # The store's checksums go on as they are (version 2 records, when the client asks): the
+    # client verifies them, so one check covers the store, this server and the link.
+    sums = wants_sums(request.headers.get("Accept", ""))
+    producer = asyncio.create_task(_produce(gate, dataset, ids, outbox, metrics, sums))
     resp: web.StreamResponse | None = None
     writer: AbstractStreamWriter | None = None
     try:

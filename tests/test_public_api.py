@@ -10,14 +10,14 @@ PUBLIC = {
     "dataferry.schema": [
         "ALL_SPLIT", "CassandraOptions", "ConfigError", "DEFAULT_STORE_URL", "DataferryError",
         "DatasetInfo", "DatasetNotFound", "FetchResult", "IdList", "IntegrityError", "InvalidImage",
-        "NotFound", "Sample", "SampleMeta", "SampleNotFound", "SampleRecord", "SampleSource",
+        "NotFound", "Sample", "SampleMeta", "CorruptSample", "UndecodableSample", "sample_checksum", "SampleNotFound", "SampleRecord", "SampleSource",
         "SplitInfo", "SplitNotFound", "SqliteOptions", "Store", "StoreError", "StoreTimeout",
-        "StoreUnavailable", "check_name", "open_store", "parse_store_url", "sample_id",
+        "StoreUnavailable", "PermanentStoreError", "AccessDenied", "TLSFailed", "ProtocolMismatch", "check_name", "open_store", "parse_store_url", "sample_id",
         "ingest", "IngestOptions", "IngestReport", "make_splits", "derive_split", "DerivedSplit", "FilterError", "parse_filter", "make_synthetic", "read_token_file", "encode_mask", "encode_multilabel",
     ],
     "dataferry.client": [
         "Batch", "ErrorPolicy", "Hedge", "Loader", "LoaderEpoch", "MemorySource",
-        "PlanOptions", "Prefetch", "Retry", "SampleFailed", "Stats", "Interval", "ClientMetrics", "serve_metrics",
+        "PlanOptions", "Prefetch", "Retry", "SampleFailed", "CorruptSample", "UndecodableSample", "Stats", "Interval", "ClientMetrics", "serve_metrics",
         "HttpSource", "HttpOptions", "TokenRefused", "RequestRejected",
         "DaliIterator", "DaliOptions", "TorchIterator", "ImageBatch", "TrainTransform", "EvalTransform",
         "TargetKind",
