@@ -83,12 +83,12 @@ from typing import Literal
 
 import numpy as np
 
-from dataferry.schema._errors import ConfigError, DataferryError
+from dataferry.schema._errors import ConfigError, DataferryError, InvalidImage, UndecodableSample
 
 from ._engine import Batch
 from ._hardware import decoder_defaults, usable_cores
-from ._imagebatch import ImageBatch, ImageIterator, Prepared, prepare
-from ._transforms import EvalTransform, TargetKind, Transform
+from ._imagebatch import ImageBatch, ImageIterator, Prepared, Undecodable, prepare
+from ._transforms import EvalTransform, TargetKind, Transform, decode_rgb
 
 __all__ = ["DaliOptions", "DaliIterator", "dali_gpu_count", "import_dali", "build_pipeline"]
 
@@ -263,6 +263,24 @@ def feed_arrays(prep: Prepared, targets: TargetKind) -> tuple:
     return arrays
 
 
+def _first_line(exc: BaseException) -> str:
+    """DALI's message on one line, shortened (its own lines are a stack of contexts)."""
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
+
+
+def _undecodable_in(inflight, dataset: str) -> tuple[int, str] | None:
+    """The first sample of the batches fed to DALI that Pillow cannot decode either, and why; None
+    if each decodes (then DALI failed for another reason). Runs only after DALI failed: a sample's
+    fault inside a DALI batch fails the whole batch, and DALI does not say which sample it was."""
+    for prep, _ in inflight:
+        for sid, data in zip(prep.batch.ids.tolist(), prep.batch.data):
+            try:
+                decode_rgb(data, f"dataset {dataset!r} sample {sid}")
+            except InvalidImage as exc:
+                return sid, exc.reason
+    return None
+
+
 class _Feeder:
     """The external source: the loader's next batch, remembered until its outputs come back.
 
@@ -274,12 +292,16 @@ class _Feeder:
         self.loader, self.transform, self.targets, self.seed = loader, transform, targets, seed
         self.inflight: deque[tuple[Prepared, tuple]] = deque()
         self.epoch = None  # the LoaderEpoch fed from; set by the iterator
+        self.undecodable = Undecodable(loader)  # ErrorPolicy for samples whose header does not parse
 
     def __call__(self):
         if self.epoch is None:
             self.epoch = iter(self.loader)
-        batch = self.epoch.get()  # StopIteration at the end of the epoch: DALI ends its epoch
-        prep = prepare(batch, self.transform, self.targets, self.loader.dataset, self.seed)
+        while True:  # every header is read here, on the CPU, before DALI sees the bytes
+            batch = self.epoch.get()  # StopIteration at the end of the epoch: DALI ends its epoch
+            prep = prepare(batch, self.transform, self.targets, self.loader.dataset, self.seed, self.undecodable)
+            if len(prep.batch):
+                break  # (a batch whose every sample was left out is not fed)
         arrays = feed_arrays(prep, self.targets)
         self.inflight.append((prep, arrays))  # keeps the no_copy buffers alive
         return arrays
@@ -365,6 +387,10 @@ class DaliIterator(ImageIterator):
             pipe.reset()
             raise
         except RuntimeError as exc:  # DALI's own errors (a corrupt image, a device error)
+            culprit = _undecodable_in(self._feeder.inflight, self.loader.dataset)
+            if culprit is not None:  # named by decoding the batches in flight on the CPU, now
+                sid, reason = culprit
+                raise UndecodableSample(self.loader.dataset, sid, f"{reason} (DALI: {_first_line(exc)})") from exc
             ids = [int(i) for p, _ in self._feeder.inflight for i in p.batch.ids[:4]]
             raise DataferryError(f"DALI failed on a batch of dataset {self.loader.dataset!r} "
                                  f"(in flight, first ids {ids}): {exc}") from exc

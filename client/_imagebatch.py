@@ -33,6 +33,7 @@ torch is imported when an iterator is made, never by ``import dataferry.client``
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -40,9 +41,11 @@ from typing import Any
 
 import numpy as np
 
+from dataferry.schema import InvalidImage, UndecodableSample
 from dataferry.schema._errors import ConfigError, DataferryError
 
 from ._engine import Batch
+from ._stats import MAX_IDS
 from ._transforms import (
     EvalTransform,
     TargetKind,
@@ -55,7 +58,10 @@ from ._transforms import (
     image_size,
 )
 
-__all__ = ["ImageBatch", "ImageIterator", "Prepared", "prepare", "state_without", "import_torch"]
+__all__ = ["ImageBatch", "ImageIterator", "Prepared", "prepare", "state_without", "import_torch", "Undecodable",
+           "subset"]
+
+log = logging.getLogger("dataferry.client")
 
 
 def import_torch():
@@ -141,12 +147,78 @@ class Prepared:
     multilabel: np.ndarray | None  # float32 [N, K]
 
 
-def prepare(batch: Batch, transform: Transform, targets: TargetKind, dataset: str, seed: int) -> Prepared:
-    """Read headers, draw crop windows, check and decode targets (this thread, cheap)."""
+class Undecodable:
+    """``ErrorPolicy`` for samples an iterator cannot decode, shared by both iterators:
+    raise :class:`UndecodableSample` (naming the dataset and id), or leave the sample out
+    of its batch and count it (``Stats.undecodable``), at most ``max_skipped`` an epoch
+    (counted apart from the loader's skips). Runs in the consumer's thread."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+        self._epoch: int | None = None
+        self._count = 0
+
+    def __call__(self, batch: Batch, bad: dict[int, str]) -> np.ndarray:
+        """The indexes of ``batch`` to keep, ``bad`` (index -> reason) left out; or raise."""
+        policy, dataset, taken = self.loader.errors, self.loader.dataset, self.loader._taken
+        if batch.epoch != self._epoch:
+            self._epoch, self._count = batch.epoch, 0
+        for i in sorted(bad):
+            sid = int(batch.ids[i])
+            err = UndecodableSample(dataset, sid, bad[i])
+            if policy.on_error == "raise" or self._count >= policy.max_skipped:
+                raise err
+            self._count += 1
+            taken.undecodable += 1
+            if len(taken.undecodable_ids) < MAX_IDS:
+                taken.undecodable_ids.append(sid)
+            log.warning("%s; left out (ErrorPolicy skip)", err)
+        return np.array([i for i in range(len(batch)) if i not in bad], np.intp)
+
+
+def _pick(b: Batch, keep: np.ndarray) -> Batch:
+    """``b`` with only the samples at ``keep`` (the others' positions count as delivered)."""
+    k = keep.tolist()
+    return replace(b, ids=b.ids[keep], labels=b.labels[keep], data=[b.data[i] for i in k],
+                   targets=None if b.targets is None else [b.targets[i] for i in k], positions=b.positions[keep])
+
+
+def subset(prep: Prepared, keep: np.ndarray) -> Prepared:
+    """``prep`` with only the samples at ``keep``."""
+    pick = (lambda a: None if a is None else a[keep])
+    return Prepared(_pick(prep.batch, keep), pick(prep.windows), pick(prep.flips), pick(prep.hw),
+                    pick(prep.multilabel))
+
+
+def _sizes(batch: Batch, what: list[str], on_bad: Callable[[Batch, dict[int, str]], np.ndarray] | None):
+    """The batch's image sizes from their headers; a header that does not parse goes to ``on_bad``
+    (which raises, or says which to keep: then the batch without them)."""
+    sizes, bad = [], {}
+    for i, (d, w) in enumerate(zip(batch.data, what)):
+        try:
+            sizes.append(image_size(d, w))
+        except InvalidImage as exc:
+            if on_bad is None:
+                raise
+            bad[i] = exc.reason
+            sizes.append((1, 1))
+    hw = np.array(sizes, np.int64).reshape(-1, 2)
+    if not bad:
+        return batch, what, hw
+    keep = on_bad(batch, bad)
+    return _pick(batch, keep), [what[i] for i in keep.tolist()], hw[keep]
+
+
+def prepare(batch: Batch, transform: Transform, targets: TargetKind, dataset: str, seed: int,
+            on_bad: Callable[[Batch, dict[int, str]], np.ndarray] | None = None) -> Prepared:
+    """Read headers, draw crop windows, check and decode targets (this thread, cheap).
+
+    With ``on_bad`` (an :class:`Undecodable`), every image header is read, and a sample
+    whose header does not parse is handed to it before anything is decoded."""
     what = [f"dataset {dataset!r} sample {i}" for i in batch.ids.tolist()]
     hw = windows = flips = multilabel = None
-    if transform is not None or targets == "mask":
-        hw = np.array([image_size(d, w) for d, w in zip(batch.data, what)], np.int64).reshape(-1, 2)
+    if transform is not None or targets == "mask" or on_bad is not None:
+        batch, what, hw = _sizes(batch, what, on_bad)
     if transform is not None:
         windows, flips = crop_windows(transform, hw, batch.ids, seed=seed, epoch=batch.epoch)
     if targets == "mask":

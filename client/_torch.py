@@ -26,24 +26,25 @@ from typing import Any
 
 import numpy as np
 
-from dataferry.schema._errors import ConfigError, DataferryError
+from dataferry.schema._errors import ConfigError, DataferryError, InvalidImage
 
 from ._engine import Batch
 from ._hardware import usable_cores
-from ._imagebatch import ImageBatch, ImageIterator, Prepared, prepare
+from ._imagebatch import ImageBatch, ImageIterator, Prepared, Undecodable, prepare, subset
 from ._transforms import EvalTransform, TargetKind, Transform, decode_mask, decode_rgb, transform_image, transform_mask
 
 __all__ = ["TorchIterator"]
 
 
 class _Job:
-    __slots__ = ("prep", "futures", "images", "masks")
+    __slots__ = ("prep", "futures", "images", "masks", "bad")
 
     def __init__(self, prep: Prepared) -> None:
         self.prep = prep
         self.futures: list[Future] = []
         self.images: Any = None
         self.masks: Any = None
+        self.bad: dict[int, str] = {}  # index -> why its image failed to decode (each thread its own keys)
 
 
 def _work(job: _Job, lo: int, hi: int, transform: Transform, targets: TargetKind, dataset: str) -> float:
@@ -53,9 +54,14 @@ def _work(job: _Job, lo: int, hi: int, transform: Transform, targets: TargetKind
     b = p.batch
     for i in range(lo, hi):
         what = f"dataset {dataset!r} sample {int(b.ids[i])}"
-        im = decode_rgb(b.data[i], what)
+        try:
+            im = decode_rgb(b.data[i], what)
+        except InvalidImage as exc:
+            job.bad[i] = exc.reason  # ErrorPolicy decides in the consumer's thread (_pop)
+            continue
         if p.hw is not None and (im.height, im.width) != tuple(p.hw[i]):
-            raise DataferryError(f"{what}: decoded {im.width}x{im.height}, header said {p.hw[i][1]}x{p.hw[i][0]}")
+            job.bad[i] = f"decoded {im.width}x{im.height}, header said {p.hw[i][1]}x{p.hw[i][0]}"
+            continue
         mask = decode_mask(b.targets[i], what) if targets == "mask" else None
         if transform is None:
             job.images[i] = np.array(im)  # writable, for torch
@@ -113,6 +119,7 @@ class TorchIterator(ImageIterator):
         self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
         self._fifo: deque[_Job] = deque()
         self._ended = False  # the loader's epoch ended; drain the fifo, pull nothing more
+        self._undecodable = Undecodable(loader)  # ErrorPolicy for samples that fail to decode
 
     def _begin(self, epoch) -> None:
         self._fifo.clear()  # batches of an abandoned epoch
@@ -154,6 +161,17 @@ class TorchIterator(ImageIterator):
         self.loader._taken.decode_busy += busy
         self._fifo.popleft()
         self._fill(block=False)
+        prep = job.prep
+        if job.bad:  # raises UndecodableSample, or leaves them out (ErrorPolicy skip)
+            keep = self._undecodable(prep.batch, job.bad)
+            prep = subset(prep, keep)
+            k = keep.tolist()
+            if self.transform is None:
+                job.images = [job.images[i] for i in k]
+                job.masks = None if job.masks is None else [job.masks[i] for i in k]
+            else:
+                job.images = job.images[keep]
+                job.masks = None if job.masks is None else job.masks[keep]
         torch = self._torch
         if self.transform is None:
             images = [torch.from_numpy(a) for a in job.images]
@@ -161,7 +179,7 @@ class TorchIterator(ImageIterator):
         else:
             images = torch.from_numpy(job.images)
             masks = None if job.masks is None else torch.from_numpy(job.masks)
-        return self._deliver(job.prep, images, masks)
+        return self._deliver(prep, images, masks)
 
     def _fill(self, *, block: bool) -> None:
         while not self._ended and len(self._fifo) < self.prefetch:
@@ -176,9 +194,9 @@ class TorchIterator(ImageIterator):
             block = False
 
     def _submit(self, batch: Batch) -> _Job:
-        prep = prepare(batch, self.transform, self.targets, self.loader.dataset, self.seed)
+        prep = prepare(batch, self.transform, self.targets, self.loader.dataset, self.seed, self._undecodable)
         job = _Job(prep)
-        n = len(batch)
+        n = len(prep.batch)  # less any sample whose header did not parse (ErrorPolicy skip)
         if self.transform is None:
             job.images = [None] * n
             job.masks = [None] * n if self.targets == "mask" else None

@@ -24,8 +24,8 @@ store URL or address.
     │   └── SampleNotFound     also *yielded* (not raised) by SampleSource.fetch
     ├── IntegrityError         stored data contradicts itself (id collision, ...)
     │   └── CorruptSample      a sample's bytes do not match the checksum stored with them
-    ├── UndecodableSample      a delivered sample's bytes failed to decode (dataset + id)
     └── InvalidImage           a source file failed validation (path + reason)
+        └── UndecodableSample  a delivered sample's bytes failed to decode (dataset + id)
 """
 
 from __future__ import annotations
@@ -176,19 +176,6 @@ class CorruptSample(IntegrityError):
         return (CorruptSample, (self.dataset, self.id, self.store, self.detail))
 
 
-class UndecodableSample(DataferryError):
-    """A delivered sample's bytes failed to decode in an iterator (``reason`` says how)."""
-
-    def __init__(self, dataset: str, id: int, reason: str) -> None:
-        super().__init__(f"sample {id} of dataset {dataset!r} failed to decode: {reason}")
-        self.dataset = dataset
-        self.id = id
-        self.reason = reason
-
-    def __reduce__(self):
-        return (UndecodableSample, (self.dataset, self.id, self.reason))
-
-
 class InvalidImage(DataferryError):
     """A source file is not a usable image. ``path`` and ``reason`` say why."""
 
@@ -199,6 +186,20 @@ class InvalidImage(DataferryError):
 
     def __reduce__(self):
         return (InvalidImage, (self.path, self.reason))
+
+
+class UndecodableSample(InvalidImage):
+    """A delivered sample's bytes failed to decode in an iterator (``reason`` says how);
+    an :class:`InvalidImage` whose ``path`` names the dataset and the sample id."""
+
+    def __init__(self, dataset: str, id: int, reason: str) -> None:
+        super().__init__(f"dataset {dataset!r} sample {id}", f"failed to decode: {reason}")
+        self.dataset = dataset
+        self.id = id
+        self.reason = reason
+
+    def __reduce__(self):
+        return (UndecodableSample, (self.dataset, self.id, self.reason))
 
 
 def check(cond: bool, msg: str) -> None:

@@ -32,7 +32,7 @@ from dataferry.client._dali import DaliIterator, DaliOptions, dali_gpu_count  # 
 from dataferry.client._torch import TorchIterator  # noqa: E402
 from dataferry.client._transforms import EvalTransform, TrainTransform  # noqa: E402
 from dataferry.schema import IdList, Sample, encode_multilabel  # noqa: E402
-from dataferry.schema._errors import ConfigError, DataferryError  # noqa: E402
+from dataferry.schema._errors import ConfigError, DataferryError, UndecodableSample  # noqa: E402
 
 CPU = DaliOptions(device="cpu", num_threads=2)
 GPU = dali_gpu_count() > 0 and torch.cuda.is_available()
@@ -211,10 +211,11 @@ def test_loader_errors_come_through_dali_unchanged():
                 list(it)
 
 
-def test_a_corrupt_jpeg_is_a_dataferry_error():
+def test_a_corrupt_jpeg_is_named_by_dataset_and_id():
+    """DALI fails the whole batch; the sample at fault is named (found by decoding the batch on the CPU)."""
     good = jpeg_samples(4)
     bad = good[:3] + [Sample(3, 0, good[3].data[:300])]
-    with pytest.raises(DataferryError, match="DALI failed on a batch of dataset 'ds'"):
+    with pytest.raises(UndecodableSample, match=r"dataset 'ds' sample 3: failed to decode: .*\(DALI: "):
         run_epochs(dali(None), MemorySource("ds", bad), batch_size=4)
 
 
