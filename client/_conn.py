@@ -22,20 +22,33 @@ honoured. It asks for ``Accept-Encoding: identity``: a compressed answer is a
 malformed one. What it raises, for ``_http.py`` to translate: ``Unreachable``
 (connect failed: refused, DNS, TLS handshake), ``TimeoutError`` (connect, or
 no byte for ``read_timeout`` while an answer is due), ``ConnectionResetError``
-(the connection ended early), ``HttpProtocolError`` (not HTTP/1.1 we can read),
-and the decoder's ``WireFormatError``.
+(the connection ended early), ``HttpProtocolError`` (not HTTP/1.1 we can read;
+``NotHttp`` when the peer does not speak HTTP at all, or speaks TLS to an
+``http://`` URL), and the decoder's ``WireFormatError``.
+
+Dead connections are found before they cost a read timeout. Every socket has
+TCP keepalive (``KEEPALIVE``: probes after 10 s idle, every 5 s, 3 lost ones
+end it), which also keeps a NAT's or firewall's idle timer from expiring; a
+pooled connection idle for ``keepalive`` seconds is not reused; and a request
+sent on a connection that idled ``STALE_AFTER`` seconds or more must see its
+answer's first byte within the first-byte deadline (``first_byte_timeout``, or
+4 x the slowest first byte of the last ``FIRST_BYTES`` answers, whichever is
+larger), else it is sent again on a new connection: a middlebox that dropped
+the idle flow without a FIN or RST costs that deadline, not ``read_timeout``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import socket
 import ssl
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-__all__ = ["Pool", "Connection", "Head", "HttpProtocolError", "Unreachable", "read_body", "collector"]
+__all__ = ["Pool", "Connection", "Head", "HttpProtocolError", "NotHttp", "Unreachable", "read_body", "collector"]
 
 #: bytes asked of the socket per read of a head (or of a body with nowhere of its own to go)
 READ_SIZE = 1 << 14
@@ -46,6 +59,15 @@ FRAMING_READ = 64
 MAX_HEAD = 1 << 16
 #: bytes kept of an answer that is not the one expected (an error's JSON body)
 ERROR_BODY = 1 << 16
+#: TCP keepalive on every socket, where the platform has the option: (idle seconds before
+#: the first probe, seconds between probes, probes lost before the kernel ends the connection)
+KEEPALIVE = (10, 5, 3)
+#: seconds a pooled connection may idle before its next answer's first byte gets a deadline
+STALE_AFTER = 1.0
+#: first bytes remembered (seconds from a request sent to its answer's first byte)
+FIRST_BYTES = 64
+#: the first-byte deadline is at least this many times the slowest first byte remembered
+FIRST_BYTE_FACTOR = 4.0
 
 _monotonic = time.monotonic
 _HEAD, _BODY, _IDLE = range(3)
@@ -55,6 +77,19 @@ _C_SIZE, _C_DATA, _C_CRLF, _C_TRAILER = range(4)
 
 class HttpProtocolError(ValueError):
     """The peer's bytes are not an HTTP/1.1 answer this client can read."""
+
+
+class NotHttp(HttpProtocolError):
+    """The peer does not speak HTTP at all (``tls``: it speaks TLS; the URL said ``http://``)."""
+
+    def __init__(self, message: str, *, tls: bool = False) -> None:
+        super().__init__(message)
+        self.tls = tls
+
+
+def _looks_tls(data: bytes) -> bool:
+    """Whether ``data`` starts like a TLS record (handshake or alert, version 3.x)."""
+    return len(data) >= 2 and data[0] in (0x15, 0x16) and data[1] == 0x03
 
 
 class Unreachable(OSError):
@@ -146,6 +181,8 @@ class Connection(asyncio.BufferedProtocol):
             self.on_lost(self)
         if self._phase == _BODY and self._mode == _TO_CLOSE and exc is None:
             self._body_done()
+        elif self._phase == _HEAD and self.error is None and self._hi > self._lo:
+            self.error = self._not_http(bytes(self._mv[self._lo : min(self._hi, self._lo + 32)]))
         elif self._phase != _IDLE and self.error is None:
             self.error = ConnectionResetError(str(exc) if exc else "the server closed the connection")
         self._cancel_timer()
@@ -251,8 +288,16 @@ class Connection(asyncio.BufferedProtocol):
                 self._lo = self._hi
                 return
 
+    @staticmethod
+    def _not_http(first: bytes) -> NotHttp:
+        if _looks_tls(first):
+            return NotHttp("the peer answered in TLS", tls=True)
+        return NotHttp(f"the peer's answer is not HTTP: it began {first[:24]!r}")
+
     def _parse_head(self) -> bool:
         buf, lo, hi = self._buf, self._lo, self._hi
+        if buf[lo : min(hi, lo + 5)] != b"HTTP/"[: min(hi - lo, 5)]:
+            raise self._not_http(bytes(self._mv[lo : min(hi, lo + 32)]))  # not even an HTTP status line
         end = buf.find(b"\r\n\r\n", lo, hi)
         if end < 0:
             if hi - lo > MAX_HEAD:
@@ -440,32 +485,56 @@ class Pool:
 
     def __init__(
         self, host: str, port: int, *, ssl_context: ssl.SSLContext | None, connections: int,
-        connect_timeout: float, read_timeout: float, keepalive: float,
+        connect_timeout: float, read_timeout: float, keepalive: float, first_byte_timeout: float = 2.0,
     ) -> None:
         self.host, self.port = host, port
         self._ssl = ssl_context
         self._connect_timeout, self._read_timeout, self._keepalive = connect_timeout, read_timeout, keepalive
+        self._first_byte = first_byte_timeout
         self._slots = asyncio.Semaphore(connections)
         self._idle: list[Connection] = []
         self._open: set[Connection] = set()  # idle or in use: all are closed with the pool
+        #: seconds from a request sent to its answer's first byte, the last FIRST_BYTES answers
+        self._first_bytes: collections.deque[float] = collections.deque(maxlen=FIRST_BYTES)
+        self.resent = 0  # requests sent again on a new connection after a reused one gave no first byte
+        self._speaks_tls: bool | None = None  # whether the peer answered a TLS handshake (asked once)
+
+    def first_byte_deadline(self, holds: float = 0.0) -> float:
+        """Seconds a request sent on a connection that idled may wait for its first byte."""
+        slowest = max(self._first_bytes, default=0.0)
+        return max(self._first_byte, FIRST_BYTE_FACTOR * slowest) + holds
 
     @asynccontextmanager
-    async def exchange(self, request: bytes, expect: str, on_200, *, pause_above: int = 1 << 62
-                       ) -> AsyncIterator[Connection]:
+    async def exchange(self, request: bytes, expect: str, on_200, *, pause_above: int = 1 << 62,
+                       holds: float = 0.0) -> AsyncIterator[Connection]:
         """Send ``request`` on a pooled (or new) connection; yield it once the
         answer's head has arrived (``conn.head``). The connection goes back to
-        the pool only when the answer was read to its end without error."""
+        the pool only when the answer was read to its end without error.
+        ``holds``: seconds the server may hold this answer on purpose (a
+        long poll), added to the first-byte deadline."""
         await self._slots.acquire()
         conn: Connection | None = None
         reusable = False
         try:
+            fresh = False
             for attempt in range(2):
-                conn = self._warm()
+                conn = None if fresh else self._warm()
                 reused = conn is not None
+                idled = time.monotonic() - conn.last_used if reused else 0.0
                 if conn is None:
                     conn = await self._connect()
+                sent = time.monotonic()
                 conn.send(request, expect, on_200, pause_above)
                 try:
+                    if idled >= STALE_AFTER and attempt == 0:
+                        if not await self._first_byte_within(conn, self.first_byte_deadline(holds)):
+                            # a middlebox dropped the idle flow without a word: the others that idled as
+                            # long are as suspect; this request goes again on a new connection
+                            self._drop_idle(conn.last_used)
+                            conn.close()
+                            conn, fresh = None, True
+                            self.resent += 1
+                            continue
                     while conn.head is None:
                         await conn.wait()
                     break
@@ -474,7 +543,11 @@ class Pool:
                         conn.close()  # the server closed it while idle, as we sent: once more on a new one
                         conn = None
                         continue
+                    if not reused and not conn.got_bytes and self._ssl is None and await self._tls_answers():
+                        raise NotHttp("the peer speaks TLS", tls=True) from None
                     raise
+            if not holds:
+                self._first_bytes.append(time.monotonic() - sent)
             yield conn
             reusable = conn.complete and conn.error is None and conn.keep_alive and not conn.closed
         finally:
@@ -487,6 +560,29 @@ class Pool:
                 else:
                     conn.close()
             self._slots.release()
+
+    @staticmethod
+    async def _first_byte_within(conn: Connection, deadline: float) -> bool:
+        """Wait until ``conn``'s answer has begun (True) or ``deadline`` seconds pass without a byte (False)."""
+        try:
+            async with asyncio.timeout(deadline) as cm:
+                while not conn.got_bytes and conn.head is None:
+                    await conn.wait()
+        except TimeoutError:
+            if cm.expired() and not conn.got_bytes:
+                return False
+            raise
+        return True
+
+    def _drop_idle(self, since: float) -> None:
+        """Close the idle connections last used at or before ``since`` (idle at least as long)."""
+        keep = []
+        for conn in self._idle:
+            if conn.last_used <= since:
+                conn.close()
+            else:
+                keep.append(conn)
+        self._idle = keep
 
     def _warm(self) -> Connection | None:
         now = time.monotonic()
@@ -501,7 +597,7 @@ class Pool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout):
-                _, conn = await loop.create_connection(
+                transport, conn = await loop.create_connection(
                     lambda: Connection(loop, self._read_timeout), self.host, self.port,
                     ssl=self._ssl, server_hostname=self.host if self._ssl is not None else None,
                 )
@@ -509,9 +605,26 @@ class Pool:
             raise TimeoutError(f"no connection within {self._connect_timeout:g} s") from None
         except OSError as exc:  # refused, unreachable, DNS, TLS handshake or verification
             raise Unreachable(exc) from exc
+        _keepalive(transport.get_extra_info("socket"))
         self._open.add(conn)
         conn.on_lost = self._open.discard
         return conn
+
+    async def _tls_answers(self) -> bool:
+        """Whether the peer completes a TLS handshake (asked once per pool, not verified): a fresh
+        connection that an ``http://`` request got no byte on is a TLS port's, or a server going away."""
+        if self._speaks_tls is None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+            loop = asyncio.get_running_loop()
+            try:
+                async with asyncio.timeout(min(self._connect_timeout, 2.0)):
+                    transport, _ = await loop.create_connection(asyncio.Protocol, self.host, self.port, ssl=ctx)
+                transport.abort()
+                self._speaks_tls = True
+            except (OSError, TimeoutError):
+                return False  # not asked again: a server going away may be back
+        return self._speaks_tls
 
     def close(self) -> None:
         """Close every connection, idle or in use (an exchange still reading fails)."""
@@ -519,6 +632,22 @@ class Pool:
         for conn in list(self._open):
             conn.close()
         self._open.clear()
+
+
+def _keepalive(sock) -> None:
+    """TCP keepalive on ``sock`` (``KEEPALIVE``), with the options the platform has."""
+    if sock is None:
+        return
+    idle, interval, count = KEEPALIVE
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPALIVE", idle), ("TCP_KEEPINTVL", interval),
+                            ("TCP_KEEPCNT", count)):
+            opt = getattr(socket, name, None)  # TCP_KEEPALIVE is macOS's name for the idle time
+            if opt is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+    except OSError:
+        pass  # not a TCP socket (a test's Unix socket), or the option refused: keepalive is a help, not a need
 
 
 async def read_body(conn: Connection) -> bytes:

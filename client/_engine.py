@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dataferry.schema import CorruptSample, Sample, SampleNotFound, SampleSource, sample_checksum
-from dataferry.schema._errors import DataferryError, StoreError
+from dataferry.schema._errors import DataferryError, PermanentStoreError, StoreError
 from dataferry.schema._url import redact_url
 
 from ._options import ErrorPolicy, Hedge, Prefetch, Retry
@@ -71,8 +71,14 @@ log = logging.getLogger("dataferry.client")
 tune_log = logging.getLogger("dataferry.client.tune")
 _INF = float("inf")
 
-#: errors worth another try; anything else is a bug and stops the epoch
+#: errors worth another try, but a PermanentStoreError (``retryable``); anything else is a bug and stops the epoch
 RETRYABLE = (StoreError, OSError, TimeoutError, asyncio.TimeoutError, EOFError)
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether ``exc`` is worth another try: a RETRYABLE error that is not a PermanentStoreError
+    (a certificate, a refused token, a wrong scheme: raised at once, not retried for the deadline)."""
+    return isinstance(exc, RETRYABLE) and not isinstance(exc, PermanentStoreError)
 
 
 def quantile(xs: Iterable[float], q: float) -> float:
@@ -123,6 +129,10 @@ async def retrying(call, retry: Retry, what: str, store: str):
             async with asyncio.timeout(retry.timeout):
                 return await call()
         except RETRYABLE as exc:
+            if not retryable(exc):
+                raise
+            if isinstance(exc, TimeoutError) and not str(exc):  # retry.timeout's own: say so
+                exc = TimeoutError(f"no answer within {retry.timeout:g} s")
             failing = loop.time() - start
             if retry.gives_up(attempt, failing):
                 raise StoreError(
@@ -1252,7 +1262,7 @@ class Run:
                 p95 = quantile(self.link.latencies, 0.95)
                 self.link.hedge_after = max(self.hedge.min_delay, self.hedge.factor * p95)
         else:
-            if exc is not None and not isinstance(exc, RETRYABLE):
+            if exc is not None and not retryable(exc):
                 raise exc
             if exc is None:
                 exc = StoreError(f"source answered {len(missing)} of the ids it was asked for with nothing")

@@ -215,6 +215,9 @@ def _derive_label(dataset: str, where: str, name: str | None, parent: str) -> st
 
 #: statuses a proxy or balancer answers while the service behind it is down or restarting
 _GATEWAY = (502, 503, 504)
+#: OpenSSL's reasons for a handshake answered by a peer that does not speak TLS (plain HTTP)
+_NOT_TLS = frozenset({"WRONG_VERSION_NUMBER", "HTTP_REQUEST", "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE",
+                      "UNKNOWN_PROTOCOL", "RECORD_TOO_LARGE"})
 #: what the connection layer raises about the transport (``_conn.py``)
 _TRANSPORT_ERRORS = (OSError, EOFError, TimeoutError, HttpProtocolError)
 
@@ -471,34 +474,40 @@ class HttpSource:
                            dataset: str, parent: str) -> tuple[int, dict]:
         """One request of a derive: ``(status, JSON document)`` of a 200 or 202; errors raised, a job's
         failure naming ``label``."""
-        head = f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._headers}Prefer: respond-async, wait={wait:g}\r\n"
-        if body is None:
-            request = (head + "\r\n").encode("latin-1")
-        else:
-            request = (head + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-                       ).encode("latin-1") + body
-        try:
-            async with self._open_pool().exchange(request, "application/json", collector()) as conn:
-                status = conn.head.status
-                if status in (200, 202) and conn.head.content_type == "application/json":
-                    raw = await read_body(conn)
-                    try:
-                        doc = json.loads(raw)
-                    except ValueError as exc:
-                        raise StoreError(f"{self.url}: {label}: the answer is not JSON") from exc
-                    if not isinstance(doc, dict):
-                        raise StoreError(f"{self.url}: {label}: the answer is not a JSON object")
-                    return status, doc
-                error = await self._error_doc(conn) if status == 409 or status >= 500 else None
-                if error is not None:  # the job's own failure (the request was fine)
-                    raise self._derive_failed(status, error[0], error[1], label)
-                await self._check_response(conn, method, path, "application/json", label, dataset=dataset,
-                                           split=parent)
-                raise StoreError(f"{self.url}: {label}: unexpected HTTP {status}")
-        except DataferryError:
-            raise  # translated already (a StoreTimeout is a TimeoutError too)
-        except _TRANSPORT_ERRORS as exc:
-            raise self._translate(exc, label) from exc
+        for again in (False, True):
+            sent_with = self._token
+            head = f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._headers}Prefer: respond-async, wait={wait:g}\r\n"
+            if body is None:
+                request = (head + "\r\n").encode("latin-1")
+            else:
+                request = (head + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                           ).encode("latin-1") + body
+            try:
+                async with self._open_pool().exchange(request, "application/json", collector(), holds=wait) as conn:
+                    status = conn.head.status
+                    if status in (200, 202) and conn.head.content_type == "application/json":
+                        raw = await read_body(conn)
+                        try:
+                            doc = json.loads(raw)
+                        except ValueError as exc:
+                            raise StoreError(f"{self.url}: {label}: the answer is not JSON") from exc
+                        if not isinstance(doc, dict):
+                            raise StoreError(f"{self.url}: {label}: the answer is not a JSON object")
+                        return status, doc
+                    error = await self._error_doc(conn) if status == 409 or status >= 500 else None
+                    if error is not None:  # the job's own failure (the request was fine)
+                        raise self._derive_failed(status, error[0], error[1], label)
+                    await self._check_response(conn, method, path, "application/json", label, dataset=dataset,
+                                               split=parent)
+                    raise StoreError(f"{self.url}: {label}: unexpected HTTP {status}")
+            except TokenRefused:
+                if again or not self._rotated(sent_with):
+                    raise
+            except DataferryError:
+                raise  # translated already (a StoreTimeout is a TimeoutError too)
+            except _TRANSPORT_ERRORS as exc:
+                raise self._translate(exc, label) from exc
+        raise AssertionError("unreachable")  # the second try returns or raises
 
     def _derive_failed(self, status: int, error: str, detail: str, label: str) -> DataferryError:
         """A derive job's failure, one line naming the dataset and the filter."""
@@ -579,9 +588,11 @@ class HttpSource:
             return
         doc = await self._error_doc(conn)
         status = head.status
-        if status == 401:
+        if status in (401, 403):
             hint = "refused the token" if self._has_token else "requires a token and none was given"
-            detail = doc[1] if doc else f"HTTP 401 ({head.content_type})"
+            if self._has_token and self._token_file is not None:
+                hint += f" (and token file {self._token_file!r} has no other)"
+            detail = doc[1] if doc else f"HTTP {status} ({head.content_type})"
             raise TokenRefused(f"the data service at {self.url} {hint} ({what}): {detail}")
         if doc is None:
             raise self._not_the_service(head, method, path, ctype, what)
@@ -631,11 +642,27 @@ class HttpSource:
             return StoreTimeout(f"{self.url}: {what} timed out: {exc or type(exc).__name__}")
         if isinstance(exc, Unreachable):
             if isinstance(exc.os_error, ssl.SSLError):
-                return StoreUnavailable(f"TLS with {self.url} failed ({what}): {exc.os_error}")
+                return self._tls_failed(exc.os_error, what)
             return StoreUnavailable(f"cannot connect to {self.url} ({what}): {exc.os_error}")
+        if isinstance(exc, NotHttp):
+            if exc.tls:
+                return ProtocolMismatch(f"{self.url} speaks TLS: use https:// for this port ({what})")
+            return ProtocolMismatch(f"not an HTTP server at {self.url} ({what}): {exc}")
         if isinstance(exc, HttpProtocolError):
             return StoreUnavailable(f"malformed HTTP answer from {self.url} ({what}): {exc}")
         return StoreUnavailable(f"lost connection to {self.url} during {what}: {exc or type(exc).__name__}")
+
+    def _tls_failed(self, err: ssl.SSLError, what: str) -> StoreError:
+        """A TLS handshake's failure: permanent unless the connection was cut short in it."""
+        if isinstance(err, ssl.SSLCertVerificationError):
+            reason = err.verify_message or err.reason or str(err)
+            return TLSFailed(f"the certificate of {self.url} failed verification: {reason} ({what}); "
+                             "pass HttpOptions(ca_file=...) for a private CA")
+        if isinstance(err, (ssl.SSLEOFError, ssl.SSLSyscallError, ssl.SSLZeroReturnError)):
+            return StoreUnavailable(f"TLS with {self.url} was cut short ({what}): {err}")
+        if err.reason in _NOT_TLS:
+            return ProtocolMismatch(f"{self.url} does not speak TLS: use http:// for this port ({what}): {err}")
+        return TLSFailed(f"TLS with {self.url} failed ({what}): {err}")
 
     # --- lifetime ----------------------------------------------------------------------
     async def close(self) -> None:

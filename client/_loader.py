@@ -53,7 +53,7 @@ class _Failed:
         self.exc = exc
 
 
-async def _open_source(source) -> tuple[SampleSource, bool]:
+async def _open_source(source, token_file: str | None = None) -> tuple[SampleSource, bool]:
     if not isinstance(source, str):
         if hasattr(source, "fetch"):
             return source, False
@@ -61,7 +61,7 @@ async def _open_source(source) -> tuple[SampleSource, bool]:
     if source.startswith(("http://", "https://")):
         from ._http import HttpSource  # the data service client
 
-        return await HttpSource.open(source), True
+        return await HttpSource.open(source, token_file=token_file), True
     from dataferry.schema import open_store
 
     return await open_store(source, create=False), True
@@ -104,7 +104,10 @@ class Loader:
     a store URL (``sqlite:...``, ``cassandra://...``) or data service URL
     (``http(s)://...``), or an async factory returning a source (for sources
     bound to the engine's event loop); the loader opens the last three on its
-    loop and closes them.
+    loop and closes them. ``token_file`` (a data service URL only) holds the
+    bearer token, one a line as the server's own file: the first is sent, and
+    the file is read again when the service refuses it (a rotation); a token
+    refused for good is ``TokenRefused`` at once, never retried.
     ``where`` (a metadata filter: ``dataferry/schema/_filter.py``) reads the
     derived split of ``split``'s samples that match it, made or reused (same
     filter over unchanged data) on the fly, by the data service or over the
@@ -138,11 +141,15 @@ class Loader:
         errors: ErrorPolicy = ErrorPolicy(),
         epoch: int = 0,
         log_interval: float | None = None,
+        token_file: str | None = None,
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, not {batch_size}")
         if log_interval is not None and log_interval <= 0:
             raise ConfigError(f"log_interval must be > 0 seconds, not {log_interval}")
+        if token_file is not None and not (isinstance(source, str) and source.startswith(("http://", "https://"))):
+            raise ConfigError("token_file= is for a data service URL (http(s)://...); "
+                              "give an HttpSource factory its own token_file=")
         if order not in ("completion", "input"):
             raise ConfigError(f"order must be 'completion' or 'input', not {order!r}")
         if ids is None and hasattr(source, "fetch") and not hasattr(source, "read_split"):
@@ -174,7 +181,7 @@ class Loader:
         self._state: dict = {}
         self._finalizer = weakref.finalize(self, _shutdown, self._lt, self._state)
         try:
-            self._source, owned = self._lt.call(_open_source(source))
+            self._source, owned = self._lt.call(_open_source(source, token_file))
         except BaseException:
             self._finalizer()
             raise

@@ -20,7 +20,7 @@ from dataferry.client import Loader, Prefetch
 from dataferry.client._buffers import BufferPool, size_class
 from dataferry.client._http import HttpOptions, HttpSource
 from dataferry.schema import Sample, SampleNotFound, open_store
-from dataferry.schema._errors import StoreError, StoreTimeout, StoreUnavailable
+from dataferry.schema._errors import ProtocolMismatch, StoreError, StoreTimeout, StoreUnavailable
 from dataferry.schema._wire import EndRecord, FrameDecoder, encode_end, encode_error, encode_not_found, encode_sample
 from dataferry.server import ServerOptions, make_app
 from server_kit import RawHttpServer, live_server, make_samples, run, seed, self_signed, serve
@@ -301,7 +301,7 @@ def test_keep_alive_reuses_the_connection_and_retries_a_stale_one():
     ([HEAD + b"Content-Length: %d\r\n\r\n" % (len(BODY) + 3) + BODY + b"xyz"], StoreError,
      "corrupt response.*bytes after the END record"),
     ([HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n"], StoreUnavailable, "malformed HTTP answer.*chunk size"),
-    ([b"SSH-2.0-OpenSSH_9.6\r\n\r\n"], StoreUnavailable, "malformed HTTP answer.*status line"),
+    ([b"SSH-2.0-OpenSSH_9.6\r\n\r\n"], ProtocolMismatch, "not an HTTP server.*SSH-2.0"),  # permanent
     ([HEAD + b"Transfer-Encoding: chunked\r\n\r\n", *_chunked(BODY[:40_000], [])], StoreUnavailable,
      "lost connection.*after 0 answers.*ended in the middle"),
     ([HEAD + b"Content-Length: %d\r\n\r\n" % len(FAILED_BODY) + FAILED_BODY], StoreUnavailable,
