@@ -62,7 +62,7 @@ from dataferry.schema._url import redact_url
 from ._options import ErrorPolicy, Hedge, Prefetch, Retry
 from ._plan import EpochPlan
 from ._doneset import DoneSet
-from ._stats import MAX_IDS, Counters
+from ._stats import Counters
 
 __all__ = ["Batch", "EndOfEpoch", "Run", "Link", "SampleFailed", "RETRYABLE", "describe_source", "retrying"]
 
@@ -872,6 +872,8 @@ class Run:
         self._held: str | None = None
         self._consumer_epoch = plan.epoch
         self._store = describe_source(source)
+        #: (epoch, position) -> id of a sample skipped as corrupt; taken by the consumer's thread
+        self.corrupt_skips: dict[tuple[int, int], int] = {}
         # the circuit breaker: failed requests in a row, since when, the next probe
         self._fails_in_row = 0
         self._down_since: float | None = None
@@ -1329,10 +1331,8 @@ class Run:
             )
         if self.errors.on_error == "raise" or ep.skipped_count >= self.errors.max_skipped:
             raise err from (None if err is exc else exc)
-        if err is exc:
-            self.c.corrupt += 1
-            if len(self.c.corrupt_ids) < MAX_IDS:
-                self.c.corrupt_ids.append(sid)
+        if err is exc:  # counted when the consumer takes the skip (Loader._accept), not by a look-ahead
+            self.corrupt_skips[(ep.plan.epoch, pos)] = sid
         ep.completed.add(pos)
         ep.first_fail.pop(pos, None)
         ep.attempts.pop(pos, None)

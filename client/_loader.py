@@ -37,7 +37,7 @@ from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
 from ._plan import EpochPlan, make_plan, split_digest
 from ._doneset import DoneSet
 from ._attribution import Attributor, Interval
-from ._stats import Counters, Stats, Taken, snapshot
+from ._stats import MAX_IDS, Counters, Stats, Taken, snapshot
 
 __all__ = ["Loader", "LoaderEpoch"]
 
@@ -358,6 +358,16 @@ class Loader:
             if gen == self._gen:
                 return self._accept(item)
 
+    def _count_corrupt(self, epoch: int, skipped) -> None:
+        """Of the positions the engine skipped, those skipped as corrupt (``Stats.corrupt``)."""
+        t, marks = self._taken, self._run.corrupt_skips
+        for p in skipped:
+            sid = marks.pop((epoch, p), None)  # one dict op: safe against the engine's thread
+            if sid is not None:
+                t.corrupt += 1
+                if len(t.corrupt_ids) < MAX_IDS:
+                    t.corrupt_ids.append(sid)
+
     def _accept(self, item) -> Batch:
         run, delivered, t = self._run, self._delivered, self._taken
         if isinstance(item, Batch):
@@ -370,12 +380,16 @@ class Loader:
             t.batches += 1
             t.bytes += item.nbytes
             t.skipped += len(item.skipped)
+            if item.skipped and run.corrupt_skips:
+                self._count_corrupt(item.epoch, item.skipped)
             return item
         if isinstance(item, EndOfEpoch):
             # the run goes on into the next epoch, already prefetched
             for p in item.skipped:
                 delivered.add(p)
             t.skipped += len(item.skipped)
+            if item.skipped and run.corrupt_skips:
+                self._count_corrupt(item.epoch, item.skipped)
             self._epoch += 1
             # the next epoch's plan is as long; the engine has made it (made here only when asked for)
             self._delivered = DoneSet(delivered.n)

@@ -33,9 +33,6 @@ class Counters:
         self.budget_full = 0.0
         self.answers = 0
         self.latency_sum = 0.0
-        # samples whose bytes did not match their stored checksum (left out: ErrorPolicy skip)
-        self.corrupt = 0
-        self.corrupt_ids: list[int] = []  # the first MAX_IDS of them
 
 
 class Taken:
@@ -56,6 +53,9 @@ class Taken:
         self.decode_threads = 0  # gauge; 0: no iterator
         self.decode_queue = 0  # gauge: batches in the iterator's decode queue
         self.decode_depth = 0  # gauge: its capacity
+        # samples whose bytes did not match their stored checksum (left out: ErrorPolicy skip)
+        self.corrupt = 0
+        self.corrupt_ids: list[int] = []  # the first MAX_IDS of them
         # samples an iterator could not decode (left out: ErrorPolicy skip)
         self.undecodable = 0
         self.undecodable_ids: list[int] = []  # the first MAX_IDS of them
@@ -100,8 +100,8 @@ def snapshot(c: Counters, taken: Taken, ready_bytes: int) -> Stats:
         decode_threads=taken.decode_threads,
         decode_queue=taken.decode_queue,
         decode_depth=taken.decode_depth,
-        corrupt=c.corrupt,
-        corrupt_ids=tuple(c.corrupt_ids),
+        corrupt=taken.corrupt,
+        corrupt_ids=tuple(taken.corrupt_ids),
         undecodable=taken.undecodable,
         undecodable_ids=tuple(taken.undecodable_ids),
     )

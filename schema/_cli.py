@@ -8,7 +8,7 @@ other packages (``serve``, ``demo``, ``advise``, ``bench``, ``latency-proxy``)
 are listed in ``_MODULES`` and imported only when they are the command being run.
 
 Exit status: 0 on success; 1 when ingest rejected files (unless
-``--allow-rejects``); 2 for usage, configuration and store errors, printed as
+``--allow-rejects``) or ``verify`` found damaged samples; 2 for usage, configuration and store errors, printed as
 one line ``dataferry: error: <message>``; 130 when interrupted.
 """
 
@@ -158,6 +158,30 @@ def _with_synthetic(args: argparse.Namespace, go: Callable[[str], int]) -> int:
 
 
 # --- split ----------------------------------------------------------------------
+
+
+@command("verify", "check every sample of a dataset against its stored checksum and list the damaged ones")
+def _configure_verify(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset", required=True, help="dataset name")
+    _store_arg(p)
+    p.add_argument("--split", default="all", help="the split to check (default: all, every committed sample)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.set_defaults(run=_run_verify)
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from ._verify import ProgressBar, verify_dataset
+
+    bar = ProgressBar(args.dataset, show=False if args.quiet else None)
+    try:
+        report = _run(_with_store(args.store, lambda store: verify_dataset(
+            store, args.dataset, split=args.split, on_progress=bar), create=False))
+    finally:
+        bar.close()
+    if report.damaged:
+        print(_table(("ID", "PATH", "DAMAGE"), [(d.id, d.path or "-", d.reason) for d in report.damaged]))
+    print(report.summary())
+    return 0 if report.ok else 1
 
 
 @command("split", "make disjoint splits (train/val/...) of a dataset, or a derived split from a metadata filter")
