@@ -117,6 +117,10 @@ class Retry:
     store and sends one request at a time (a probe), spaced by the same
     backoff, until one is answered. ``timeout`` bounds one request.
     Catalog reads (the split's id list) are retried the same way.
+    The deadline covers transient failures only: a
+    :class:`~dataferry.schema.PermanentStoreError` (a certificate that fails
+    verification, a refused token, the wrong scheme, a peer that is not HTTP)
+    is raised at once.
     """
 
     deadline: float = 300.0

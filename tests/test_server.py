@@ -23,7 +23,7 @@ from aiohttp import web
 
 from dataferry.client._http import HttpOptions, HttpSource, TokenRefused
 from dataferry.schema import DatasetNotFound, IdList, Sample, SampleNotFound, SplitNotFound, open_store
-from dataferry.schema._errors import ConfigError, StoreTimeout, StoreUnavailable
+from dataferry.schema._errors import ConfigError, ProtocolMismatch, StoreTimeout, StoreUnavailable, TLSFailed
 from dataferry.schema._wire import FRAMES_TYPE, IDLIST_TYPE, EndRecord, ErrorRecord, decode_idlist, encode_ids
 from dataferry.server import ServerOptions, make_app
 from dataferry.server._samples import Outbox
@@ -482,13 +482,13 @@ def test_tls_with_a_self_signed_certificate(tmp_path):
                 async with await HttpSource.open(base, token="tok", options=HttpOptions(ca_file=cert)) as src:
                     assert len([r async for r in src.fetch("d", (await src.read_split("d", "all")).ids)]) == 5
                 async with await HttpSource.open(base, token="tok") as src:  # system CAs: not trusted
-                    with pytest.raises(StoreUnavailable, match="TLS"):
+                    with pytest.raises(TLSFailed, match="certificate .* failed verification"):
                         await src.list_datasets()
                 async with await HttpSource.open(base, token="tok", options=HttpOptions(verify=False)) as src:
                     assert len(await src.list_datasets()) == 1
                 plain = base.replace("https://", "http://")
                 async with await HttpSource.open(plain, token="tok") as src:
-                    with pytest.raises(StoreUnavailable):
+                    with pytest.raises(ProtocolMismatch, match="speaks TLS"):
                         await src.list_datasets()
 
     run(go())
