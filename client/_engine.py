@@ -845,6 +845,9 @@ class Run:
         self.batch_size, self.drop_last, self.in_order = batch_size, drop_last, in_order
         #: bytes in batches made and not yet taken by the consumer (and in partial batches)
         self.ready_bytes = 0
+        #: bytes of the batch the consumer took last: its loop holds it until it comes back for
+        #: another, so it counts in the budget until then (:meth:`release`)
+        self.taken_bytes = 0
         self.prefetch, self.retry, self.hedge, self.errors = prefetch, retry, hedge, errors
         self.c = counters
         self._emit = emit
@@ -882,8 +885,13 @@ class Run:
 
     # --- called from the consumer's thread via call_soon_threadsafe ----------
     def release(self, nbytes: int) -> None:
-        """The consumer took a batch of ``nbytes``: the budget frees up."""
+        """The consumer took a batch of ``nbytes``, and (coming back for it) let go of the one
+        before: that one's bytes free up; this one's count as the batch it holds, as far as the
+        budget has room for it beside the next batch and a request (a budget of two batches and
+        more counts it whole; the next batch must be made whatever the budget)."""
         self.ready_bytes -= nbytes
+        room = self.prefetch.max_bytes - nbytes - self.request_size * int(self.link.reserve_bytes)
+        self.taken_bytes = max(0, min(nbytes, room))
         self._poke()
 
     @property
@@ -984,7 +992,7 @@ class Run:
         self._poke()
 
     def _budget_allows(self, est: int, ep: _Epoch) -> bool:
-        fits = self._reserved + self.ready_bytes + est <= self.prefetch.max_bytes
+        fits = self._reserved + self.ready_bytes + self.taken_bytes + est <= self.prefetch.max_bytes
         if ep is not self.current:
             # the look-ahead holds at most half the budget: the rest stays for the current epoch
             return fits and ep.reserved + self._ahead_bytes() + est <= self.prefetch.max_bytes // 2
@@ -1088,7 +1096,7 @@ class Run:
         self._probes = 0
 
     def _start(self, ep: _Epoch, positions: list[int], attempt: int, now: float, *, hedge_of: _Req | None = None) -> _Req:
-        sids = ep.plan.ids[positions].tolist()
+        sids = ep.plan.ids_at(positions).tolist()
         by_id = dict(zip(sids, positions))
         extra: dict[int, tuple[int, ...]] | None = None
         if len(by_id) < len(positions):  # an id fills several positions: the first in by_id
@@ -1122,7 +1130,7 @@ class Run:
                 heapq.heappush(self._hedges, (req.deadline, next(self._seq), req))
         self._reserved += reserved
         ep.reserved += reserved
-        self.c.peak_bytes = max(self.c.peak_bytes, self._reserved + self.ready_bytes)
+        self.c.peak_bytes = max(self.c.peak_bytes, self._reserved + self.ready_bytes + self.taken_bytes)
         self.link.sending(now)
         self._deadlines.append((now + self.retry.timeout, req))
         req.task = asyncio.ensure_future(self._fetch(req))
@@ -1319,7 +1327,7 @@ class Run:
 
     def _fail(self, ep: _Epoch, pos: int, exc: BaseException, now: float | None = None) -> None:
         attempts = ep.attempts.get(pos, 1)
-        sid = int(ep.plan.ids[pos])
+        sid = int(ep.plan.ids_at(pos))
         first = ep.first_fail.get(pos)
         if isinstance(exc, CorruptSample):  # raised as itself: the bytes are wrong, not the store's reach
             err = exc
@@ -1342,7 +1350,7 @@ class Run:
 
     def _deliver(self, ep: _Epoch, pos: int, sample: Sample | None, nbytes: int) -> None:
         self.ready_bytes += nbytes
-        held = self._reserved + self.ready_bytes
+        held = self._reserved + self.ready_bytes + self.taken_bytes
         c = self.c
         if held > c.peak_bytes:
             c.peak_bytes = held

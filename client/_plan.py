@@ -44,19 +44,38 @@ def resolve_rank(opts: PlanOptions) -> tuple[int, int]:
 
 @dataclass(frozen=True, eq=False)
 class EpochPlan:
-    """This rank's ordered ids and labels for one epoch."""
+    """This rank's ordered ids and labels for one epoch.
+
+    Held as ``order``, indices into the split's id list (``split``, one array
+    pair shared by every epoch's plan): int32 where the split allows, 4 bytes a
+    sample rather than a copy of the ids and labels (12), since two plans
+    are alive at an epoch's end (the current one and the look-ahead)."""
 
     epoch: int
     seed: int
     rank: int
     world_size: int
-    ids: np.ndarray
-    labels: np.ndarray
+    #: this rank's positions -> indices into ``split``
+    order: np.ndarray
+    split: IdList
     #: fingerprint of the split the plan was built from (checked on resume)
     source_digest: str
 
     def __len__(self) -> int:
-        return int(self.ids.shape[0])
+        return int(self.order.shape[0])
+
+    @property
+    def ids(self) -> np.ndarray:
+        """The ids in plan order (a new array: the engine reads :meth:`ids_at`)."""
+        return self.split.ids[self.order]
+
+    @property
+    def labels(self) -> np.ndarray:
+        return self.split.labels[self.order]
+
+    def ids_at(self, positions) -> np.ndarray:
+        """The ids at ``positions`` (an int or a sequence of them) of the plan."""
+        return self.split.ids[self.order[positions]]
 
 
 def split_digest(idlist: IdList) -> str:
@@ -71,11 +90,11 @@ def make_plan(idlist: IdList, epoch: int, opts: PlanOptions, *, digest: str | No
         raise ConfigError(f"epoch must be >= 0, not {epoch}")
     rank, world = resolve_rank(opts)
     n = len(idlist)
+    order = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
     if opts.shuffle:
+        # shuffled in place: the same permutation as ``rng.permutation(n)``, without its int64 copy
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([opts.seed & (2**63 - 1), epoch])))
-        order = rng.permutation(n)
-    else:
-        order = np.arange(n)
+        rng.shuffle(order)
     if n % world:
         if opts.uneven == "pad" and n:
             need = world - n % world
@@ -88,7 +107,7 @@ def make_plan(idlist: IdList, epoch: int, opts: PlanOptions, *, digest: str | No
         seed=opts.seed,
         rank=rank,
         world_size=world,
-        ids=idlist.ids[mine],
-        labels=idlist.labels[mine],
+        order=np.ascontiguousarray(mine),  # a rank's stride copied: the whole permutation is let go
+        split=idlist,
         source_digest=digest or split_digest(idlist),
     )
