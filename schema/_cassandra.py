@@ -276,11 +276,12 @@ class CassandraStore:
         ``hot``: the name of a statement the hot path may send (it hands back what it cannot: :meth:`_drain`)."""
         self._inflight += 1
         self._idle.clear()
-        types = _HOT[hot] if hot else ()
-        if hot and len(types) != len(ps.result_metadata or types):
-            types = _HOT_V0
-        if hot and self._hot is not None and self._hot.send(ps, types, params, (sink, key)):
-            return
+        if hot and self._hot is not None:
+            types = _HOT[hot]
+            if len(ps.result_metadata or types) != len(types):
+                types = _HOT_V0  # "fetch" prepared as "fetch_v0": a keyspace without the xxh3 column
+            if self._hot.send(ps, types, params, (sink, key)):
+                return
         self._send(ps, params, sink, key)
 
     def _send(self, ps, params: tuple, sink, key) -> None:
