@@ -485,7 +485,7 @@ class Pool:
 
     def __init__(
         self, host: str, port: int, *, ssl_context: ssl.SSLContext | None, connections: int,
-        connect_timeout: float, read_timeout: float, keepalive: float, first_byte_timeout: float = 2.0,
+        connect_timeout: float, read_timeout: float, keepalive: float, first_byte_timeout: float = 1.5,
     ) -> None:
         self.host, self.port = host, port
         self._ssl = ssl_context

@@ -138,9 +138,11 @@ class HttpOptions:
     #: middlebox may have dropped the idle flow without a word); the deadline is
     #: 4 x the slowest first byte of the last 64 answers when that is larger, so
     #: a service that queues (its ``queue_timeout`` is 2 s) or a long link is
-    #: not cut short. A request's own size hardly moves its first byte: its body
-    #: is 8 bytes an id, and the server answers once the first sample is read
-    first_byte_timeout: float = 2.0
+    #: not cut short once seen. A request's own size hardly moves its first
+    #: byte: its body is 8 bytes an id, and the server answers once the first
+    #: sample is read. Taken for dead wrongly, a request costs a duplicate and a
+    #: handshake; 1.5 s keeps a dead connection's stall under 2 s
+    first_byte_timeout: float = 1.5
     #: PEM bundle to verify the server's certificate with (default: system CAs)
     ca_file: str | None = None
     #: verify the server's certificate and host name (off only for testing)
