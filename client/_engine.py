@@ -890,7 +890,8 @@ class Run:
         budget has room for it beside the next batch and a request (a budget of two batches and
         more counts it whole; the next batch must be made whatever the budget)."""
         self.ready_bytes -= nbytes
-        room = self.prefetch.max_bytes - nbytes - self.request_size * int(self.link.reserve_bytes)
+        next_batch = max(nbytes, self.batch_size * int(self.link.reserve_bytes))
+        room = self.prefetch.max_bytes - next_batch - self.request_size * int(self.link.reserve_bytes)
         self.taken_bytes = max(0, min(nbytes, room))
         self._poke()
 
