@@ -311,6 +311,8 @@ class Link:
     RATE_MIN_S = 0.02
     #: seconds between two log lines of the same kind of window decision
     LOG_EVERY = 10.0
+    #: the most bytes reserved per sample in flight, in mean sample sizes (``reserve_bytes``)
+    RESERVE_CAP = 3.0
 
     def __init__(self, prefetch: Prefetch, hedge: Hedge) -> None:
         self.prefetch = prefetch
@@ -318,10 +320,13 @@ class Link:
         self.window = float(prefetch.initial_inflight or self.MIN_WINDOW)
         self.request_size = prefetch.request_size or 32
         self.mean_bytes = float(prefetch.sample_bytes_hint)
-        #: bytes reserved per sample in flight: an upper envelope of the sizes seen (the largest,
-        #: decaying towards the mean over a few thousand samples), so that requests of samples
-        #: larger than the mean still fit what was reserved for them (``Run._budget_allows``)
-        self.reserve_bytes = float(prefetch.sample_bytes_hint)
+        #: bytes reserved per sample in flight (``Run._budget_allows``): an upper envelope of the
+        #: sizes seen (``high_bytes``: the largest, decaying towards the mean over a few thousand
+        #: samples), so that requests of samples larger than the mean still fit what was reserved
+        #: for them; at most RESERVE_CAP x the mean, so one outlier (a 10 MB panorama among 110 KB
+        #: photos) does not shrink the window for thousands of samples (it takes the rest of its
+        #: request's reservation, and may take the accounting past the budget by its excess)
+        self.high_bytes = self.reserve_bytes = float(prefetch.sample_bytes_hint)
         self.latencies: deque[float] = deque(maxlen=hedge.history)  # full-size requests only
         self.min_latency: float | None = None  # the lowest of them: the round-trip estimate
         self.hedge_after = float("inf")
@@ -1209,10 +1214,11 @@ class Run:
         link = self.link
         link.delivered += nbytes
         link.mean_bytes += (nbytes - link.mean_bytes) * 0.05
-        if nbytes > link.reserve_bytes:
-            link.reserve_bytes = float(nbytes)
+        if nbytes > link.high_bytes:
+            link.high_bytes = float(nbytes)
         else:  # the envelope decays towards the mean (half-way in about 2,800 samples)
-            link.reserve_bytes -= (link.reserve_bytes - link.mean_bytes) * 0.00025
+            link.high_bytes -= (link.high_bytes - link.mean_bytes) * 0.00025
+        link.reserve_bytes = min(link.high_bytes, link.RESERVE_CAP * link.mean_bytes)
         first = True
         if ep.first_fail:  # a retried position's bookkeeping ends when it completes
             for p in positions:

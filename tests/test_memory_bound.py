@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 from dataferry.client import Loader, MemorySource, Prefetch, Retry
+from dataferry.client._engine import Link
 from dataferry.client._plan import make_plan
 from dataferry.client._options import PlanOptions
 from dataferry.schema import DatasetInfo, IdList, Sample, SampleMeta, open_store
@@ -266,3 +267,16 @@ def test_the_plan_and_done_set_hold_no_python_object_per_position():
         done.add(p)
     assert sys.getsizeof(done._done) <= n + 100
     assert len(done) == -(-n // 3) and done.frontier == 1
+
+
+def test_one_outlier_sample_does_not_shrink_the_window_for_long():
+    """Reservations follow the largest sample seen, but at most 3x the mean: one 4 MB sample among
+    2 KB ones would otherwise reserve 4 MB an id for thousands of samples (a window of one request)."""
+    samples = [Sample(i, 0, bytes(4 << 20) if i == 100 else bytes(2000)) for i in range(3000)]
+    with Loader(MemorySource("d", samples), "d", batch_size=64, prefetch=Prefetch(max_bytes=64 << 20)) as loader:
+        got = sum(len(b) for b in loader)
+        link = loader._link
+        assert got == 3000
+        assert link.high_bytes > 1 << 20  # the outlier was seen
+        assert link.reserve_bytes <= Link.RESERVE_CAP * link.mean_bytes < 64_000
+        assert loader.stats().peak_bytes <= 64 << 20
