@@ -1,12 +1,14 @@
 """``dataferry serve`` with a memory probe in each worker (``server_memory --probe``).
 
-    python -m dataferry.bench._memprobe FOLDER <dataferry serve arguments>
+    python -m dataferry.bench._memprobe [--trim] FOLDER <dataferry serve arguments>
 
 Each forked worker starts ``tracemalloc`` (10 frames) and, on SIGUSR1, writes
 ``FOLDER/PID-N.txt`` (its Nth report): its RssAnon, what Python's allocations hold (traced), glibc's
 ``mallinfo2`` over every arena (bytes in use, bytes free but kept, mmapped
-chunks), and the allocation sites that grew most since its second report. A
-lab tool: tracing costs CPU and memory of its own.
+chunks), and the allocation sites that grew most since its second report;
+``--trim``: then ``malloc_trim(0)`` and the RssAnon it gave back (the free
+pages inside the arenas: what fragmentation holds; the next report shows how
+fast load takes them again). A lab tool: tracing costs CPU and memory of its own.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _rss_anon() -> float:
     return 0.0
 
 
-def _install(folder: str) -> None:
+def _install(folder: str, trim: bool) -> None:
     tracemalloc.start(10)
     reports = 0
     base: list[tracemalloc.Snapshot] = []
@@ -57,8 +59,13 @@ def _install(folder: str) -> None:
         reports += 1
         snap = tracemalloc.take_snapshot().filter_traces((tracemalloc.Filter(False, tracemalloc.__file__),))
         current, peak = tracemalloc.get_traced_memory()
-        lines = [f"worker {os.getpid()} report {reports}: RssAnon {_rss_anon():.1f} MiB; Python traced "
-                 f"{current / 2**20:.1f} MiB (peak {peak / 2**20:.1f}); " + _mallinfo()]
+        anon = _rss_anon()
+        info = _mallinfo()
+        lines = [f"worker {os.getpid()} report {reports}: RssAnon {anon:.1f} MiB; Python traced "
+                 f"{current / 2**20:.1f} MiB (peak {peak / 2**20:.1f}); " + info]
+        if trim:
+            ctypes.CDLL(None).malloc_trim(0)
+            lines.append(f"  malloc_trim(0) gave back {anon - _rss_anon():.1f} MiB of RssAnon")
         if reports == 2:
             base.append(snap)
         if base and reports > 2:
@@ -79,9 +86,10 @@ def _install(folder: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    folder, rest = argv[0], argv[1:]
+    trim = argv[0] == "--trim"
+    folder, rest = argv[trim], argv[trim + 1:]
     parent = os.getpid()
-    os.register_at_fork(after_in_child=lambda: os.getppid() == parent and _install(folder))
+    os.register_at_fork(after_in_child=lambda: os.getppid() == parent and _install(folder, trim))
     from dataferry.server._cli import main as serve
 
     return serve(rest)

@@ -29,7 +29,8 @@ every worker, and at the end of each round each worker writes what Python
 holds (the top allocation sites and their growth since the second round) and
 glibc's ``mallinfo2`` (arena bytes in use and free, mmapped chunks) to a file
 the bench prints. It costs CPU and memory of its own: diagnose with it,
-measure without it.
+measure without it. ``--probe --trim``: each report then calls ``malloc_trim(0)``
+and prints the RssAnon it gave back: the free pages the arenas hold.
 """
 
 from __future__ import annotations
@@ -89,9 +90,9 @@ def _read_kb(path: str, fields: tuple[str, ...]) -> dict[str, int] | None:
         return None
 
 
-def _server_cmd(store_url: str, workers: int, probe_dir: str | None) -> list[str]:
-    head = [sys.executable, "-m", "dataferry.bench._memprobe", probe_dir] if probe_dir else \
-        [sys.executable, "-m", "dataferry.server"]
+def _server_cmd(store_url: str, workers: int, probe_dir: str | None, trim: bool = False) -> list[str]:
+    head = [sys.executable, "-m", "dataferry.bench._memprobe", *(["--trim"] if trim else []), probe_dir] \
+        if probe_dir else [sys.executable, "-m", "dataferry.server"]
     return [*head, "--store", store_url, "--host", "127.0.0.1", "--port", "0", "--workers", str(workers),
             "--no-access-log", "--log-level", "WARNING", "--max-concurrent", "1024"]
 
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     out = ctx.Queue()
     anon: dict[int, list[float]] = {}
     failed = False
-    with announced(_server_cmd(store_url, args.workers, probe_dir), "the data server") as server:
+    with announced(_server_cmd(store_url, args.workers, probe_dir, args.trim), "the data server") as server:
         host, port = server
         time.sleep(0.5)
         pids = process_tree(server.pid)
@@ -213,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="allowed growth of a worker's RssAnon after round 2 (default: %(default)s)")
     p.add_argument("--probe", action="store_true",
                    help="tracemalloc and mallinfo2 in each worker, reported per round (diagnosis; costs CPU)")
+    p.add_argument("--trim", action="store_true",
+                   help="with --probe: each report also calls malloc_trim(0) in the worker and prints what it gave "
+                        "back (fragmentation's share; it changes what follows)")
     args = p.parse_args(argv)
     if args.rounds < 3:
         p.error("--rounds must be at least 3 (two rounds of warm-up, then the rounds judged)")
