@@ -2,15 +2,18 @@
 
     python -m dataferry.bench.server_memory [--workers 2] [--clients 8] [--rounds 10] [--seconds 35]
                                             [--images 4000] [--data random|synthetic] [--connections 2]
-                                            [--depth 2] [--request-size 64] [--bound 0.10] [--probe]
+                                            [--depth 2] [--request-size 64] [--client raw|loader]
+                                            [--bound 0.10] [--probe [--trim]]
 
 Starts ``dataferry serve --workers N`` on a SQLite store of ``--images``
 samples (``load_server.prepare_store``: random bytes of JPEG-like sizes, or
 synthetic JPEGs) and loads it from ``--clients`` processes (``load_server``'s
 raw-socket client: ``--connections`` keep-alive connections each with
-``--depth`` pipelined requests of ``--request-size`` random ids) for
-``--rounds`` rounds of ``--seconds``. At the end of each round it prints, per
-process (the parent, then each worker), from ``/proc/PID/status``:
+``--depth`` pipelined requests of ``--request-size`` random ids; or
+``--client loader``: each a real ``Loader`` over HTTP, epochs in a loop, with
+its own window and request sizes) for ``--rounds`` rounds of ``--seconds``.
+At the end of each round it prints, per process (the parent, then each
+worker), from ``/proc/PID/status``:
 ``RssAnon`` (the heap: Python objects, malloc arenas, buffers), ``RssFile``
 (mapped file pages: the SQLite file read through mmap, and the shared
 libraries), ``RssShmem`` (shared memory: prometheus-client's multiprocess
@@ -129,8 +132,8 @@ def run(args: argparse.Namespace) -> int:
                      for k in range(args.clients)]
         for p in procs:
             p.start()
-        print(f"{'round':>5} {'process':>14} {'RssAnon':>8} {'RssFile':>8} {'RssShmem':>8} {'VmRSS':>8} {'Pss':>8}  MiB",
-              flush=True)
+        print(f"{'round':>5} {'process':>14} {'RssAnon':>8} {'RssFile':>8} {'RssShmem':>8} {'VmRSS':>8} "
+              f"{'Pss':>8}  MiB", flush=True)
         for rnd in range(1, args.rounds + 1):
             time.sleep(max(0.0, start + rnd * args.seconds - time.time()))
             if probe_dir:
@@ -222,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rounds must be at least 3 (two rounds of warm-up, then the rounds judged)")
     if args.request_size > args.images:
         p.error("--request-size must not exceed --images")
+    if args.trim and not args.probe:
+        p.error("--trim goes with --probe")
     return run(args)
 
 
