@@ -36,7 +36,7 @@ import weakref
 from collections import deque
 from collections.abc import Sequence
 
-from ._errors import ConfigError, StoreError, StoreTimeout, StoreUnavailable
+from ._errors import AccessDenied, ConfigError, StoreError, StoreTimeout, StoreUnavailable, TLSFailed
 from ._url import CassandraOptions, redact_url
 
 __all__ = ["connect", "open_cluster", "shutdown", "release_warm", "translate", "where", "PROTOCOL_VERSION"]
@@ -640,6 +640,32 @@ def _is_connection_error(exc: BaseException) -> bool:
     return isinstance(exc, (NoHostAvailable, ConnectionException, AuthenticationFailed, Unavailable, OSError))
 
 
+def _permanent(exc: BaseException) -> tuple[type[StoreError], str] | None:
+    """``(AccessDenied or TLSFailed, the reason)`` when every host refused the credentials or
+    failed TLS verification: no retry can change that. None otherwise."""
+    from cassandra import AuthenticationFailed
+    from cassandra.cluster import NoHostAvailable
+
+    causes = list(exc.errors.values()) if isinstance(exc, NoHostAvailable) else [exc]
+    if not causes:
+        return None
+    if all(isinstance(c, AuthenticationFailed) for c in causes):
+        return AccessDenied, f"the credentials were refused: {causes[0]}"
+    if all(_certificate_failed(c) for c in causes):
+        return TLSFailed, f"TLS certificate verification failed: {causes[0]}; pass the CA with ?tls_ca=PATH"
+    return None
+
+
+def _certificate_failed(exc: BaseException) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:  # the driver wraps the ssl error
+        seen.add(id(exc))
+        if isinstance(exc, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _missing_schema(exc: BaseException) -> bool:
     """Whether the server said a keyspace or table does not exist (Cassandra 5: "table x does not
     exist"; 3 and 4: "unconfigured table x")."""
@@ -656,6 +682,10 @@ def translate(exc: BaseException, message: str, *, url: str | None = None) -> Ba
 
     if isinstance(exc, (OperationTimedOut, Timeout)):
         return StoreTimeout(f"{message}: timed out: {exc}")
+    permanent = _permanent(exc)
+    if permanent is not None:
+        kind, why = permanent
+        return kind(f"{message}: {why}")
     if _is_connection_error(exc):
         return StoreUnavailable(f"{message}: store unreachable: {exc}")
     if isinstance(exc, DriverException):
