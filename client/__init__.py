@@ -3,11 +3,11 @@
 See ``README.md`` in this folder for a map of the files and the data flow.
 """
 
-from dataferry.schema import CorruptSample, UndecodableSample
+from dataferry.schema import CorruptSample, RequestRejected, TokenRefused, UndecodableSample
 
 from ._dali import DaliIterator, DaliOptions
-from ._engine import Batch, SampleFailed
-from ._http import HttpOptions, HttpSource, RequestRejected, TokenRefused
+from ._types import Batch, SampleFailed
+from ._http import HttpOptions, HttpSource
 from ._imagebatch import ImageBatch
 from ._attribution import Interval
 from ._loader import Loader, LoaderEpoch

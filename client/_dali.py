@@ -83,9 +83,9 @@ from typing import Literal
 
 import numpy as np
 
-from dataferry.schema._errors import ConfigError, DataferryError, InvalidImage, UndecodableSample
+from dataferry.schema import ConfigError, DataferryError, InvalidImage, UndecodableSample
 
-from ._engine import Batch
+from ._types import Batch
 from ._hardware import decoder_defaults, usable_cores
 from ._imagebatch import ImageBatch, ImageIterator, Prepared, Undecodable, prepare
 from ._transforms import EvalTransform, TargetKind, Transform, decode_rgb

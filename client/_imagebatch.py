@@ -42,9 +42,9 @@ from typing import Any
 import numpy as np
 
 from dataferry.schema import InvalidImage, UndecodableSample
-from dataferry.schema._errors import ConfigError, DataferryError
+from dataferry.schema import ConfigError, DataferryError
 
-from ._engine import Batch
+from ._types import Batch
 from ._stats import MAX_IDS
 from ._transforms import (
     EvalTransform,

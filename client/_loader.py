@@ -28,11 +28,14 @@ import weakref
 from typing import Literal
 
 from dataferry.schema import ALL_SPLIT, IdList, SampleSource
-from dataferry.schema._aio import LoopThread
-from dataferry.schema._errors import ConfigError, DataferryError
-from dataferry.schema._splits import content_hash
+from dataferry.schema import LoopThread
+from dataferry.schema import ConfigError, DataferryError
+from dataferry.schema import content_hash
 
-from ._engine import Batch, EndOfEpoch, Link, Run, describe_source, retrying
+from ._engine import Run
+from ._retry import describe_source, retrying
+from ._tuner import Link
+from ._types import Batch, EndOfEpoch
 from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
 from ._plan import EpochPlan, make_plan, split_digest
 from ._doneset import DoneSet
@@ -73,7 +76,7 @@ async def _derive(source, dataset: str, where: str, parent: str):
     if hasattr(source, "derive_split"):  # the data service
         return await source.derive_split(dataset, where, parent=parent)
     if hasattr(source, "read_meta") and hasattr(source, "put_derived"):
-        from dataferry.schema._splits import derive_split
+        from dataferry.schema import derive_split
 
         return await derive_split(source, dataset, where, parent=parent)
     raise ConfigError(f"{describe_source(source)} cannot filter by metadata: where= needs a store or data service")
@@ -157,7 +160,7 @@ class Loader:
         if where is not None:
             if ids is not None:
                 raise ConfigError("pass ids= or where=, not both")
-            from dataferry.schema._filter import parse_filter
+            from dataferry.schema import parse_filter
 
             parse_filter(where)  # a bad filter fails here, before any connection
         self._dataset, self._split = dataset, split

@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from dataferry.schema._errors import ConfigError, DataferryError, InvalidImage
+from dataferry.schema import ConfigError, DataferryError, InvalidImage
 
-from ._engine import Batch
+from ._types import Batch
 from ._hardware import usable_cores
 from ._imagebatch import ImageBatch, ImageIterator, Prepared, Undecodable, prepare, subset
 from ._transforms import EvalTransform, TargetKind, Transform, decode_mask, decode_rgb, transform_image, transform_mask

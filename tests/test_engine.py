@@ -417,7 +417,7 @@ def test_stats_are_logged_every_interval(caplog):
 def test_the_hedges_quantile_is_numpys_default_percentile(n):
     """The hedge's p95 is computed without numpy (a sort): it must be the
     same number ``np.percentile`` gives, linear interpolation included."""
-    from dataferry.client._engine import quantile
+    from dataferry.client._tuner import quantile
 
     rng = np.random.default_rng(n)
     for _ in range(20):

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from dataferry.client import Loader, MemorySource, Prefetch, Retry
-from dataferry.client._engine import Link
+from dataferry.client._tuner import Link
 from dataferry.client._plan import make_plan
 from dataferry.client._options import PlanOptions
 from dataferry.schema import DatasetInfo, IdList, Sample, SampleMeta, open_store

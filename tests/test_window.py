@@ -20,7 +20,7 @@ from faults import QueueingSource
 from window_kit import NO_HEDGE, Overhead, Recording, epochs, samples
 
 from dataferry.client import Loader, MemorySource, Prefetch
-from dataferry.client._engine import Link
+from dataferry.client._tuner import Link
 
 
 class Slots(QueueingSource, Recording):

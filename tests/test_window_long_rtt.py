@@ -15,7 +15,7 @@ from window_kit import NO_HEDGE, Overhead, samples
 from window_kit import epochs as epochs_of
 
 from dataferry.client import Hedge, Loader, MemorySource, Prefetch
-from dataferry.client._engine import Link
+from dataferry.client._tuner import Link
 from dataferry.schema import Sample
 
 
