@@ -143,11 +143,11 @@ def run_stream_demo(opts: StreamDemoOptions = StreamDemoOptions()) -> str:
     return "\n".join(lines)
 
 
-# --- ``dataferry demo`` (``schema._cli`` imports this module only for that command) ---
+# --- ``dataferry demo`` (the CLI imports this module only for that command) ---
 
 
 def add_cli_arguments(p: argparse.ArgumentParser) -> None:
-    from dataferry.schema._cli import _positive, _store_arg
+    from dataferry.schema import positive as _positive, store_arg as _store_arg
 
     p.add_argument("--images", type=_positive, default=600, metavar="N", help="synthetic images (default: 600)")
     _store_arg(p, "sqlite:dataferry-demo.db")

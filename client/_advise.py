@@ -57,8 +57,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 from PIL import Image
 
-from dataferry.schema._errors import ConfigError, InvalidImage
-from dataferry.schema._validate import DEFAULT_MAX_PIXELS, LOSSLESS, ValidateOptions, prepare_image, validate_bytes
+from dataferry.schema import (
+    DEFAULT_MAX_PIXELS,
+    LOSSLESS,
+    ConfigError,
+    InvalidImage,
+    ValidateOptions,
+    prepare_image,
+    validate_bytes,
+)
 
 __all__ = [
     "DEFAULT_MIN_PSNR", "Strategy", "candidates", "AdviseOptions", "Link", "Rules", "Measurement", "Advice",
@@ -431,7 +438,7 @@ def _run_jobs(jobs, strategies, options: AdviseOptions, keep: bool) -> list[_Ima
             return out
         from concurrent.futures import as_completed
 
-        from dataferry.schema._validate import validator_pool
+        from dataferry.schema import validator_pool
 
         size = max(1, min(8, len(jobs) // (workers * 4)))
         chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
@@ -542,7 +549,7 @@ def dali_decode_rate(blobs: Sequence[bytes], *, device: str = "gpu", batch: int 
 
 def advise_source(src: str, options: AdviseOptions = AdviseOptions()) -> Advice:
     """:func:`measure` a sample of an ImageFolder tree or a manifest, as ``dataferry ingest`` takes."""
-    from dataferry.schema._scan import require_images, scan
+    from dataferry.schema import require_images, scan
 
     source = scan(src)
     require_images(source)
@@ -556,7 +563,7 @@ async def advise_dataset(store, dataset: str, options: AdviseOptions = AdviseOpt
     """:func:`measure` a sample of a stored dataset (its split ``all``): the bytes as stored are the original."""
     import asyncio
 
-    from dataferry.schema._model import ALL_SPLIT
+    from dataferry.schema import ALL_SPLIT
 
     await store.get_dataset(dataset)  # DatasetNotFound, naming the store
     idlist = await store.read_split(dataset, ALL_SPLIT)
@@ -648,7 +655,7 @@ def _rate(bps: float) -> str:
 
 def render(advice: Advice, link: Link, rules: Rules, rec: Recommendation) -> str:
     """The report: what was measured, the table, the bound of each row, the recommendation."""
-    from dataferry.schema._table import format_table
+    from dataferry.schema import format_table
 
     formats = ", ".join(f"{fmt} {n}" for fmt, n in advice.formats)
     head = [

@@ -1,16 +1,16 @@
-"""``dataferry advise``: its arguments and its run (``schema._cli`` imports this module only for that command).
+"""``dataferry advise``: its arguments and its run (the CLI imports this module only for that command).
 
 The advisor measures decoding on the machine that will train (Pillow on its
 usable cores, DALI on its GPU), so it lives with the client; the CLI
-dispatcher finds it through ``schema._cli._MODULES``.
+dispatcher finds it by name.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from dataferry.schema._cli import _positive, _run, _store_arg, _with_store
-from dataferry.schema._errors import ConfigError
+from dataferry.schema import ConfigError, positive as _positive, run as _run, store_arg as _store_arg
+from dataferry.schema import with_store as _with_store
 
 __all__ = ["add_cli_arguments", "cli"]
 
@@ -44,8 +44,7 @@ def cli(args: argparse.Namespace) -> int:
     if args.src is None and args.dataset is None:
         raise ConfigError("advise needs a source: SRC (a folder or manifest), or --dataset NAME for a stored dataset")
     from ._advise import AdviseOptions, Link, Rules, advise_dataset, advise_source, ingest_command, plot, recommend, render
-    from dataferry.schema._model import check_name
-    from dataferry.schema._units import parse_duration, parse_rate
+    from dataferry.schema import check_name, parse_duration, parse_rate
 
     link = Link(parse_rate(args.link), parse_duration(args.rtt))
     rules = Rules(min_psnr=args.min_psnr, max_side=args.max_side)

@@ -77,31 +77,36 @@ from urllib.parse import quote
 
 from yarl import URL
 
-from dataferry.schema import DatasetInfo, IdList, Sample, SampleNotFound, SplitInfo, read_token_file
-from dataferry.schema._errors import (
+from dataferry.schema import (
+    ACCEPT_SUMS,
+    FRAMES_TYPE,
+    IDLIST_TYPE,
+    IDS_TYPE,
     AccessDenied,
     ConfigError,
     DataferryError,
+    DatasetInfo,
     DatasetNotFound,
+    ErrorRecord,
+    FrameDecoder,
+    IdList,
     ProtocolMismatch,
+    RequestRejected,
+    Sample,
+    SampleNotFound,
+    SplitInfo,
     SplitNotFound,
     StoreError,
     StoreTimeout,
     StoreUnavailable,
     TLSFailed,
-)
-from dataferry.schema._errors import check as _check
-from dataferry.schema._tokens import valid_token
-from dataferry.schema._wire import (
-    ACCEPT_SUMS,
-    FRAMES_TYPE,
-    IDLIST_TYPE,
-    IDS_TYPE,
-    ErrorRecord,
-    FrameDecoder,
+    TokenRefused,
     WireFormatError,
+    check as _check,
     decode_idlist,
     encode_ids,
+    read_token_file,
+    valid_token,
 )
 
 from ._buffers import ARENA, BufferPool
@@ -180,27 +185,6 @@ class HttpOptions:
         _check(self.max_record_bytes >= 1 << 16, "max_record_bytes must be at least 64 KiB")
         _check(self.spare_buffers >= 0, f"spare_buffers must be >= 0, not {self.spare_buffers}")
         _check(self.arena >= 1 << 16, f"arena must be at least 64 KiB, not {self.arena}")
-
-
-class TokenRefused(AccessDenied):
-    """The data service answered 401 or 403: the token is missing, wrong or
-    revoked (and a token file had no other to try). Never retried."""
-
-
-class RequestRejected(DataferryError):
-    """The data service rejected a request as malformed (a 4xx other than 401/404),
-    or what answered is not a data service (``error == "not_a_data_service"``)."""
-
-    def __init__(self, url: str, status: int, error: str, detail: str, *, message: str | None = None) -> None:
-        super().__init__(message or f"{url} rejected the request ({status} {error}): {detail}")
-        self.status, self.error, self.detail = status, error, detail
-
-    def __reduce__(self):
-        return (_rejected, (str(self), self.status, self.error, self.detail))
-
-
-def _rejected(message: str, status: int, error: str, detail: str) -> RequestRejected:
-    return RequestRejected("", status, error, detail, message=message)
 
 
 #: the longest a derive's request asks the service to hold its answer (seconds; at most half the read timeout)
@@ -426,7 +410,7 @@ class HttpSource:
 
         from tqdm import tqdm
 
-        from dataferry.schema._splits import DerivedSplit
+        from dataferry.schema import DerivedSplit
 
         bound = self.options.derive_timeout if timeout is None else timeout
         wait = min(_MAX_POLL_WAIT, self.options.read_timeout / 2)

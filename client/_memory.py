@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 import numpy as np
 
 from dataferry.schema import ALL_SPLIT, IdList, Sample, SampleNotFound
-from dataferry.schema._errors import ConfigError, DatasetNotFound, SplitNotFound
+from dataferry.schema import ConfigError, DatasetNotFound, SplitNotFound
 
 __all__ = ["MemorySource"]
 

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from dataferry.schema._errors import ConfigError
+from dataferry.schema import ConfigError
 
 from ._attribution import LIMITS
 

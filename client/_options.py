@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from dataferry.schema._errors import check as _check
+from dataferry.schema import check as _check
 
 __all__ = ["PlanOptions", "Prefetch", "Retry", "Hedge", "ErrorPolicy"]
 

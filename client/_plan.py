@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dataferry.schema import IdList
-from dataferry.schema._errors import ConfigError
+from dataferry.schema import ConfigError
 
 from ._options import PlanOptions
 

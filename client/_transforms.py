@@ -45,7 +45,7 @@ from typing import Literal, get_args
 
 import numpy as np
 
-from dataferry.schema._errors import InvalidImage, check as _check
+from dataferry.schema import InvalidImage, check as _check
 
 __all__ = [
     "TargetKind",

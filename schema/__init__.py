@@ -16,7 +16,8 @@ _WHERE = {
     "_errors": (
         "DataferryError ConfigError StoreError StoreUnavailable StoreTimeout PermanentStoreError AccessDenied "
         "TLSFailed ProtocolMismatch NotFound "
-        "DatasetNotFound SplitNotFound SampleNotFound IntegrityError CorruptSample UndecodableSample InvalidImage"
+        "DatasetNotFound SplitNotFound SampleNotFound IntegrityError CorruptSample UndecodableSample InvalidImage "
+        "FilterError"
     ),
     "_model": "Sample SampleMeta DatasetInfo SplitInfo IdList sample_id sample_checksum check_name ALL_SPLIT",
     "_store": "SampleSource Store SampleRecord FetchResult",
@@ -25,12 +26,32 @@ _WHERE = {
     "_tokens": "read_token_file",
     "_ingest": "ingest IngestOptions IngestReport",
     "_splits": "make_splits derive_split DerivedSplit",
-    "_filter": "FilterError parse_filter",
+    "_filter": "parse_filter",
     "_synthetic": "make_synthetic",
     "_targets": "encode_mask encode_multilabel",
 }
+#: the names dataferry's other packages (server, client, the CLI) take from the
+#: contract: public to them on purpose, not part of a training script's API
+#: (so not in ``__all__``); tests/test_public_api.py pins them too.
+_SHARED = {
+    "_errors": "check TokenRefused WireFormatError RequestRejected",
+    "_url": "redact_url",
+    "_aio": "LoopThread new_event_loop",
+    "_tokens": "valid_token",
+    "_splits": "content_hash derived_name",
+    "_units": "parse_duration parse_rate parse_size",
+    "_validate": "DEFAULT_MAX_PIXELS LOSSLESS ValidateOptions prepare_image validate_bytes validator_pool",
+    "_scan": "require_images scan",
+    "_table": "format_table",
+    "_args": "store_arg positive run with_store",
+    "_wire": (
+        "ACCEPT_SUMS FRAMES_TYPE IDLIST_TYPE IDS_TYPE ErrorRecord FrameDecoder decode_ids decode_idlist "
+        "encode_ids encode_end encode_error encode_not_found encode_sample idlist_header idlist_parts wants_sums"
+    ),
+}
 _LAZY = {name: mod for mod, names in _WHERE.items() for name in names.split()}
 __all__ = list(_LAZY)  # each public name is written once, in _WHERE
+_LAZY |= {name: mod for mod, names in _SHARED.items() for name in names.split()}
 
 
 def __getattr__(name: str):

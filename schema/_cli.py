@@ -18,8 +18,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from ._args import positive as _positive, run as _run, store_arg as _store_arg, with_store as _with_store
 from ._errors import ConfigError, DataferryError
-from ._url import DEFAULT_STORE_URL
 
 __all__ = ["main", "command"]
 
@@ -49,34 +49,6 @@ def command(name: str, help: str) -> Callable[[Configure], Configure]:
     return register
 
 
-def _store_arg(p: argparse.ArgumentParser, default: str = DEFAULT_STORE_URL) -> None:
-    p.add_argument("--store", default=default, metavar="URL", help=f"store URL (default: {default})")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _run(coro) -> object:
-    import asyncio
-
-    return asyncio.run(coro)
-
-
-async def _with_store(url: str, fn, *, create: bool = True):
-    from ._open import open_store
-
-    store = await open_store(url, create=create)
-    try:
-        return await fn(store)
-    finally:
-        await store.close()
 
 
 # --- ingest -------------------------------------------------------------------

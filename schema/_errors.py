@@ -10,11 +10,13 @@ store URL or address.
 
     DataferryError
     ├── ConfigError            bad option value, malformed store URL
+    │   └── FilterError        a --where filter that does not parse or type-check (position)
     ├── StoreError             the store failed or could not be reached
     │   ├── StoreUnavailable   no connection (dead host, refused, reset): retried
     │   ├── StoreTimeout       a request outlived its timeout: retried
     │   └── PermanentStoreError what no retry can heal: raised at once, never retried
     │       ├── AccessDenied   the store refused the credentials (HTTP 401/403)
+    │       │   └── TokenRefused the data service refused the bearer token
     │       ├── TLSFailed      the certificate failed verification, or the TLS handshake did
     │       └── ProtocolMismatch the peer does not speak what the URL says (not HTTP,
     │                          http:// to a TLS port, https:// to a plain one)
@@ -24,8 +26,12 @@ store URL or address.
     │   └── SampleNotFound     also *yielded* (not raised) by SampleSource.fetch
     ├── IntegrityError         stored data contradicts itself (id collision, ...)
     │   └── CorruptSample      a sample's bytes do not match the checksum stored with them
-    └── InvalidImage           a source file failed validation (path + reason)
-        └── UndecodableSample  a delivered sample's bytes failed to decode (dataset + id)
+    ├── InvalidImage           a source file failed validation (path + reason)
+    │   └── UndecodableSample  a delivered sample's bytes failed to decode (dataset + id)
+    ├── WireFormatError        bytes that do not follow the wire format (also a ValueError)
+    ├── RequestRejected        the data service refused a malformed request, or is not one
+    └── SampleFailed           the engine gave up on a sample (defined with the engine,
+                               dataferry.client; carries the last cause)
 """
 
 from __future__ import annotations
@@ -49,6 +55,10 @@ __all__ = [
     "CorruptSample",
     "UndecodableSample",
     "InvalidImage",
+    "FilterError",
+    "TokenRefused",
+    "WireFormatError",
+    "RequestRejected",
 ]
 
 
@@ -200,6 +210,48 @@ class UndecodableSample(InvalidImage):
 
     def __reduce__(self):
         return (UndecodableSample, (self.dataset, self.id, self.reason))
+
+
+class FilterError(ConfigError):
+    """A filter that does not parse or does not type-check; names the position."""
+
+    def __init__(self, text: str, position: int, reason: str) -> None:
+        self.text, self.position, self.reason = text, position, reason
+        super().__init__(f"filter: {reason} at position {position}")
+
+    def __reduce__(self):
+        return (FilterError, (self.text, self.position, self.reason))
+
+    @property
+    def caret(self) -> str:
+        """Two lines: the filter (whitespace shown as spaces) and a ``^`` under the position."""
+        shown = "".join(" " if c.isspace() else c for c in self.text)
+        return f"  {shown}\n  {' ' * (self.position - 1)}^"
+
+
+class TokenRefused(AccessDenied):
+    """The data service answered 401 or 403: the token is missing, wrong or
+    revoked (and a token file had no other to try). Never retried."""
+
+
+class WireFormatError(DataferryError, ValueError):
+    """Bytes that do not follow the wire format (a bad body, a corrupt stream)."""
+
+
+class RequestRejected(DataferryError):
+    """The data service rejected a request as malformed (a 4xx other than 401/404),
+    or what answered is not a data service (``error == "not_a_data_service"``)."""
+
+    def __init__(self, url: str, status: int, error: str, detail: str, *, message: str | None = None) -> None:
+        super().__init__(message or f"{url} rejected the request ({status} {error}): {detail}")
+        self.status, self.error, self.detail = status, error, detail
+
+    def __reduce__(self):
+        return (_rejected, (str(self), self.status, self.error, self.detail))
+
+
+def _rejected(message: str, status: int, error: str, detail: str) -> RequestRejected:
+    return RequestRejected("", status, error, detail, message=message)
 
 
 def check(cond: bool, msg: str) -> None:

@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ._errors import ConfigError
+from ._errors import ConfigError, FilterError
 from ._model import SampleMeta
 
 __all__ = ["FilterError", "parse_filter", "compile_filter", "Filter", "MAX_FILTER_CHARS"]
@@ -67,23 +67,6 @@ _KEYWORDS = {"and", "or", "not", "in", "between", "glob", "exists"}
 _OPS = ("==", "!=", "<>", "<=", ">=", "=", "<", ">")
 _CANON_OP = {"==": "=", "<>": "!="}
 _FLIP = {"=": "=", "!=": "!=", "<": ">", "<=": ">=", ">": "<", ">=": "<="}
-
-
-class FilterError(ConfigError):
-    """A filter that does not parse or does not type-check; names the position."""
-
-    def __init__(self, text: str, position: int, reason: str) -> None:
-        self.text, self.position, self.reason = text, position, reason
-        super().__init__(f"filter: {reason} at position {position}")
-
-    def __reduce__(self):
-        return (FilterError, (self.text, self.position, self.reason))
-
-    @property
-    def caret(self) -> str:
-        """Two lines: the filter (whitespace shown as spaces) and a ``^`` under the position."""
-        shown = "".join(" " if c.isspace() else c for c in self.text)
-        return f"  {shown}\n  {' ' * (self.position - 1)}^"
 
 
 # --- tokens ----------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ._errors import DataferryError, SampleNotFound
+from ._errors import SampleNotFound, WireFormatError
 from ._model import IdList, Sample
 
 __all__ = [
@@ -106,10 +106,6 @@ _MAGIC_IN = int.from_bytes(MAGIC, "little")
 
 IDLIST_MAGIC = b"DFIL"
 IDLIST_HEADER = struct.Struct("<4sB3xQ")  # 16 bytes
-
-
-class WireFormatError(DataferryError, ValueError):
-    """Bytes that do not follow the wire format (a bad body, a corrupt stream)."""
 
 
 @dataclass(frozen=True, slots=True)

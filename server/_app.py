@@ -17,8 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from dataferry.schema import Store, open_store
-from dataferry.schema._url import redact_url
+from dataferry.schema import Store, open_store, redact_url
 
 from ._derive import add_derive_jobs
 from ._gate import StoreGate

@@ -38,7 +38,7 @@ _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    from dataferry.schema._url import DEFAULT_STORE_URL
+    from dataferry.schema import DEFAULT_STORE_URL
 
     parser.add_argument("--store", default=DEFAULT_STORE_URL, metavar="URL", help="store URL (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -65,7 +65,7 @@ def ssl_context(cert: str, key: str):
     """A server-side TLS context (TLS 1.2+) for ``cert``/``key``; ConfigError naming the file."""
     import ssl
 
-    from dataferry.schema._errors import ConfigError
+    from dataferry.schema import ConfigError
 
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -96,7 +96,7 @@ def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
 
 
 def cli(args: argparse.Namespace) -> int:
-    from dataferry.schema._errors import ConfigError
+    from dataferry.schema import ConfigError
 
     workers = args.workers
     if workers is None:
@@ -117,8 +117,7 @@ def cli(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, workers: int) -> int:
-    from dataferry.schema import parse_store_url, read_token_file
-    from dataferry.schema._errors import ConfigError
+    from dataferry.schema import ConfigError, parse_store_url, read_token_file
 
     from ._options import ServerOptions
 
@@ -172,7 +171,7 @@ def _serve_one(store: str, options, sock: socket.socket, tls, access_log: loggin
     """The app on ``sock`` in this process, on uvloop, until SIGTERM or SIGINT."""
     import asyncio
 
-    from dataferry.schema._aio import new_event_loop
+    from dataferry.schema import new_event_loop
 
     from ._app import make_app
 

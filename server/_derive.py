@@ -44,11 +44,18 @@ from urllib.parse import quote
 
 from aiohttp import hdrs, web
 
-from dataferry.schema import ALL_SPLIT, check_name
-from dataferry.schema._errors import ConfigError, StoreUnavailable
-from dataferry.schema._errors import check as _check
-from dataferry.schema._filter import FilterError, parse_filter
-from dataferry.schema._splits import DerivedSplit, derive_split, derived_name
+from dataferry.schema import (
+    ALL_SPLIT,
+    ConfigError,
+    DerivedSplit,
+    FilterError,
+    StoreUnavailable,
+    check as _check,
+    check_name,
+    derive_split,
+    derived_name,
+    parse_filter,
+)
 
 from ._errors import JSON_TYPE, http_error, translate
 from ._gate import StoreGate

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from dataferry.schema._errors import DatasetNotFound, SplitNotFound, StoreError, StoreTimeout
+from dataferry.schema import DatasetNotFound, SplitNotFound, StoreError, StoreTimeout
 
 __all__ = ["http_error", "error_body", "translate", "JSON_TYPE"]
 

@@ -15,9 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from dataferry.schema import Store
-from dataferry.schema._errors import StoreError, StoreTimeout
-from dataferry.schema._url import redact_url
+from dataferry.schema import Store, StoreError, StoreTimeout, redact_url
 
 from ._metrics import Metrics
 from ._options import ServerOptions

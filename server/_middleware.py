@@ -25,7 +25,7 @@ import logging
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
-from dataferry.schema._errors import StoreError
+from dataferry.schema import StoreError
 
 from ._errors import http_error, translate
 from ._keys import LIMIT, METRICS, OPTIONS

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dataferry.schema._errors import check as _check
-from dataferry.schema._tokens import read_token_file, valid_token  # read_token_file re-exported: one reader for both sides
+# read_token_file re-exported: one reader for both sides
+from dataferry.schema import check as _check, read_token_file, valid_token
 
 __all__ = ["ServerOptions", "read_token_file"]
 

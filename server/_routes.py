@@ -11,9 +11,7 @@ import asyncio
 
 from aiohttp import web
 
-from dataferry.schema._wire import IDLIST_TYPE, idlist_header, idlist_parts
-from dataferry.schema import DatasetInfo
-from dataferry.schema._errors import StoreError
+from dataferry.schema import IDLIST_TYPE, DatasetInfo, StoreError, idlist_header, idlist_parts
 
 from ._derive import create_split, get_split_job
 from ._errors import JSON_TYPE, error_body

@@ -38,9 +38,17 @@ import numpy as np
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
-from dataferry.schema import Sample
-from dataferry.schema._errors import StoreError, StoreTimeout
-from dataferry.schema._wire import FRAMES_TYPE, encode_end, encode_error, encode_not_found, encode_sample, wants_sums
+from dataferry.schema import (
+    FRAMES_TYPE,
+    Sample,
+    StoreError,
+    StoreTimeout,
+    encode_end,
+    encode_error,
+    encode_not_found,
+    encode_sample,
+    wants_sums,
+)
 
 from ._gate import StoreGate
 from ._metrics import Metrics

@@ -16,9 +16,7 @@ import numpy as np
 from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestPayloadError
 
-from dataferry.schema._wire import IDS_TYPE, WireFormatError, decode_ids
-from dataferry.schema import check_name
-from dataferry.schema._errors import ConfigError
+from dataferry.schema import IDS_TYPE, ConfigError, WireFormatError, check_name, decode_ids
 
 from ._errors import JSON_TYPE, http_error
 from ._options import ServerOptions

@@ -34,6 +34,29 @@ def test_all_is_pinned_and_resolves(module):
         assert getattr(mod, name) is not None, name
 
 
+#: what the server, the client and the CLI take from the contract (``dataferry.schema._SHARED``):
+#: public to them, not in ``__all__``; other packages import nothing else of schema's (test_layering)
+SHARED = [
+    "check", "TokenRefused", "WireFormatError", "RequestRejected", "redact_url", "LoopThread", "new_event_loop",
+    "valid_token", "content_hash", "derived_name", "parse_duration", "parse_rate", "parse_size",
+    "DEFAULT_MAX_PIXELS", "LOSSLESS", "ValidateOptions", "prepare_image", "validate_bytes", "validator_pool",
+    "require_images", "scan", "format_table", "store_arg", "positive", "run", "with_store",
+    "ACCEPT_SUMS", "FRAMES_TYPE", "IDLIST_TYPE", "IDS_TYPE", "ErrorRecord", "FrameDecoder", "decode_ids",
+    "decode_idlist", "encode_ids", "encode_end", "encode_error", "encode_not_found", "encode_sample",
+    "idlist_header", "idlist_parts", "wants_sums",
+]
+
+
+def test_schema_shares_a_pinned_set_with_the_other_packages():
+    import dataferry.schema as schema
+
+    shared = sorted(name for names in schema._SHARED.values() for name in names.split())
+    assert shared == sorted(SHARED)
+    assert not set(shared) & set(schema.__all__)
+    for name in shared:
+        assert getattr(schema, name) is not None, name
+
+
 @pytest.mark.parametrize("backend", ["dataferry.schema._sqlite:SqliteStore", "dataferry.schema._cassandra:CassandraStore"])
 def test_every_backend_implements_the_whole_store_protocol(backend):
     import inspect
