@@ -45,7 +45,6 @@ from dataferry.schema import InvalidImage, UndecodableSample
 from dataferry.schema import ConfigError, DataferryError
 
 from ._types import Batch
-from ._stats import MAX_IDS
 from ._transforms import (
     EvalTransform,
     TargetKind,
@@ -160,7 +159,8 @@ class Undecodable:
 
     def __call__(self, batch: Batch, bad: dict[int, str]) -> np.ndarray:
         """The indexes of ``batch`` to keep, ``bad`` (index -> reason) left out; or raise."""
-        policy, dataset, taken = self.loader.errors, self.loader.dataset, self.loader._taken
+        loader = self.loader
+        policy, dataset = loader.errors, loader.dataset
         if batch.epoch != self._epoch:
             self._epoch, self._count = batch.epoch, 0
         for i in sorted(bad):
@@ -169,9 +169,7 @@ class Undecodable:
             if policy.on_error == "raise" or self._count >= policy.max_skipped:
                 raise err
             self._count += 1
-            taken.undecodable += 1
-            if len(taken.undecodable_ids) < MAX_IDS:
-                taken.undecodable_ids.append(sid)
+            loader.record_undecodable(sid)
             log.warning("%s; left out (ErrorPolicy skip)", err)
         return np.array([i for i in range(len(batch)) if i not in bad], np.intp)
 
@@ -304,13 +302,13 @@ class ImageIterator:
         """The next batch (blocking). The training loop's time in here beyond
         its wait on the loader (the feeder's, counted by the loader) is its
         wait on decode; the decode gauges are updated as of the end."""
-        t = self.loader._taken  # the loader's consumer-side counters: this thread writes them
-        t0, waited = time.monotonic(), t.wait
+        loader = self.loader
+        t0, waited = time.monotonic(), loader.waited
         try:
             return self._next_decoded()
         finally:
-            t.decode_wait += max(0.0, time.monotonic() - t0 - (t.wait - waited))
-            t.decode_threads, t.decode_queue, t.decode_depth = self._decode_gauges()
+            loader.record_decode(wait=max(0.0, time.monotonic() - t0 - (loader.waited - waited)),
+                                 gauges=self._decode_gauges())
 
     def _next_decoded(self) -> ImageBatch:
         """The next decoded batch, blocking; StopIteration at the epoch's end."""

@@ -456,6 +456,31 @@ class Loader:
         run = self._run
         return snapshot(self._counters, self._taken, 0 if run is None else run.ready_bytes)
 
+    # for an iterator that decodes this loader's batches (TorchIterator, DaliIterator, yours):
+    # called from the thread that takes batches; the figures join stats() and the intervals
+    @property
+    def waited(self) -> float:
+        """Seconds the thread taking batches has waited in ``get()`` so far (its waits that ended)."""
+        return self._taken.wait
+
+    def record_decode(self, *, wait: float = 0.0, busy: float = 0.0,
+                      gauges: tuple[int, int, int] | None = None) -> None:
+        """Add the training loop's seconds waiting on decode (``Stats.decode_wait``) and the decode
+        threads' busy seconds (``decode_busy``); ``gauges``: decode threads, batches in the decode
+        queue and its capacity, as of now (``decode_threads``, ``decode_queue``, ``decode_depth``)."""
+        t = self._taken
+        t.decode_wait += wait
+        t.decode_busy += busy
+        if gauges is not None:
+            t.decode_threads, t.decode_queue, t.decode_depth = gauges
+
+    def record_undecodable(self, sample_id: int) -> None:
+        """A sample left out because it failed to decode (``ErrorPolicy`` skip): ``Stats.undecodable``."""
+        t = self._taken
+        t.undecodable += 1
+        if len(t.undecodable_ids) < MAX_IDS:
+            t.undecodable_ids.append(sample_id)
+
     def close(self) -> None:
         """Stop the engine, close an owned source, end the thread. Idempotent."""
         if self._closed:

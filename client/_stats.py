@@ -1,110 +1,35 @@
-"""Loader statistics: live counters on the engine, frozen snapshots for users."""
+"""Loader statistics, each figure defined once, in :class:`Stats`.
+
+A field of ``Stats`` says who writes it live (``side``: the engine's loop or the
+consumer's thread) and whether an interval takes its difference (``count``) or its
+latest value (``gauge``). :class:`Counters` (the engine's) and :class:`Taken` (the
+consumer's) are made from those fields, :func:`snapshot` merges them into a frozen
+``Stats`` and :meth:`Stats.since` gives an interval's figures.
+"""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 
 __all__ = ["Counters", "Taken", "Stats", "snapshot", "MAX_IDS"]
 
 #: sample ids kept per kind of damage in ``Stats`` (the counts go on)
 MAX_IDS = 1000
 
-
-class Counters:
-    """The engine's counters: written only on the engine's event loop, read anywhere."""
-
-    def __init__(self) -> None:
-        self.received = 0  # bytes of sample data received
-        self.requests = 0
-        self.inflight = 0
-        self.window = 0
-        self.request_latency: float | None = None  # smoothed
-        self.min_latency: float | None = None  # over recent full-size requests: the RTT estimate
-        self.retries = 0
-        self.failures = 0
-        self.hedges = 0
-        self.duplicates = 0
-        self.peak_bytes = 0
-        # for the attribution (``_attribution.py``): seconds the dispatcher had
-        # something to send but was held back by the window (requests in
-        # flight) or by the byte budget; and the answered requests' latencies
-        self.window_full = 0.0
-        self.budget_full = 0.0
-        self.answers = 0
-        self.latency_sum = 0.0
+ENGINE, CONSUMER, SNAPSHOT = "engine", "consumer", "snapshot"
 
 
-class Taken:
-    """The consumer's counters: written only by the thread that takes batches.
-    The clock starts at the first ``get()``, as SPDL's queue stats do."""
-
-    def __init__(self) -> None:
-        self.first: float | None = None  # time.monotonic() of the first get()
-        self.samples = 0
-        self.batches = 0
-        self.bytes = 0
-        self.skipped = 0
-        self.wait = 0.0  # seconds the consumer waited for a batch (its waits that ended)
-        self.waiting_since: float | None = None  # time.monotonic() when its wait now under way began
-        # written by an iterator (TorchIterator, DaliIterator) in the same thread:
-        self.decode_wait = 0.0  # seconds the training loop waited on decode, not on the loader
-        self.decode_busy = 0.0  # decode threads' busy seconds, summed (TorchIterator; DALI does not say)
-        self.decode_threads = 0  # gauge; 0: no iterator
-        self.decode_queue = 0  # gauge: batches in the iterator's decode queue
-        self.decode_depth = 0  # gauge: its capacity
-        # samples whose bytes did not match their stored checksum (left out: ErrorPolicy skip)
-        self.corrupt = 0
-        self.corrupt_ids: list[int] = []  # the first MAX_IDS of them
-        # samples an iterator could not decode (left out: ErrorPolicy skip)
-        self.undecodable = 0
-        self.undecodable_ids: list[int] = []  # the first MAX_IDS of them
+def _figure(side: str, default: object = 0, *, gauge: bool = False):
+    """A field of :class:`Stats`: written live by ``side`` (ENGINE, CONSUMER, or SNAPSHOT: worked
+    out when the snapshot is taken); a ``gauge`` is read as of now over an interval, a count as a
+    difference."""
+    return field(default=default, metadata={"side": side, "gauge": gauge})
 
 
 def _ms(v: float | None) -> str:
     """Seconds as whole milliseconds for a log line; ``-`` for None."""
     return "-" if v is None else f"{v * 1e3:.0f}ms"
-
-
-def snapshot(c: Counters, taken: Taken, ready_bytes: int) -> Stats:
-    """Both sides' counters as one frozen :class:`Stats`."""
-    now = time.monotonic()
-    elapsed = 0.0 if taken.first is None else now - taken.first
-    since = taken.waiting_since
-    wait = taken.wait + (max(0.0, now - since) if since is not None else 0.0)  # a wait under way counts so far
-    return Stats(
-        elapsed=elapsed,
-        samples=taken.samples,
-        batches=taken.batches,
-        bytes=taken.bytes,
-        wait=wait,
-        skipped=taken.skipped,
-        received=c.received,
-        requests=c.requests,
-        inflight=c.inflight,
-        window=c.window,
-        request_latency=c.request_latency,
-        min_latency=c.min_latency,
-        retries=c.retries,
-        failures=c.failures,
-        hedges=c.hedges,
-        duplicates=c.duplicates,
-        ready_bytes=ready_bytes,
-        peak_bytes=c.peak_bytes,
-        window_full=c.window_full,
-        budget_full=c.budget_full,
-        answers=c.answers,
-        latency_sum=c.latency_sum,
-        decode_wait=taken.decode_wait,
-        decode_busy=taken.decode_busy,
-        decode_threads=taken.decode_threads,
-        decode_queue=taken.decode_queue,
-        decode_depth=taken.decode_depth,
-        corrupt=taken.corrupt,
-        corrupt_ids=tuple(taken.corrupt_ids),
-        undecodable=taken.undecodable,
-        undecodable_ids=tuple(taken.undecodable_ids),
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,51 +47,54 @@ class Stats:
     ``b.since(a)`` gives the figures of the interval between two snapshots.
     """
 
-    elapsed: float
-    samples: int
-    batches: int
+    #: seconds since the consumer's first get()
+    elapsed: float = _figure(SNAPSHOT, 0.0)
+    samples: int = _figure(CONSUMER)
+    batches: int = _figure(CONSUMER)
     #: bytes of sample data handed to the consumer
-    bytes: int
+    bytes: int = _figure(CONSUMER)
     #: seconds the consumer waited in get()
-    wait: float
-    skipped: int
+    wait: float = _figure(CONSUMER, 0.0)
+    skipped: int = _figure(CONSUMER)
     #: bytes of sample data received (taken or not; duplicates not counted)
-    received: int
-    requests: int
-    inflight: int
-    window: int
-    request_latency: float | None
-    min_latency: float | None
-    retries: int
-    failures: int
-    hedges: int
-    duplicates: int
+    received: int = _figure(ENGINE)
+    requests: int = _figure(ENGINE)
+    #: requests in flight, and the window's size
+    inflight: int = _figure(ENGINE, gauge=True)
+    window: int = _figure(ENGINE, gauge=True)
+    #: a request's smoothed latency, and the lowest over recent full-size requests (the RTT estimate)
+    request_latency: float | None = _figure(ENGINE, None, gauge=True)
+    min_latency: float | None = _figure(ENGINE, None, gauge=True)
+    retries: int = _figure(ENGINE)
+    failures: int = _figure(ENGINE)
+    hedges: int = _figure(ENGINE)
+    duplicates: int = _figure(ENGINE)
     #: bytes received and not yet taken by the consumer
-    ready_bytes: int
+    ready_bytes: int = _figure(SNAPSHOT, gauge=True)
     #: high-water mark of bytes in flight (reserved) plus ready
-    peak_bytes: int
+    peak_bytes: int = _figure(ENGINE, gauge=True)
     #: seconds the engine had requests to send but its window was full
-    window_full: float = 0.0
+    window_full: float = _figure(ENGINE, 0.0)
     #: seconds the engine had requests to send but its byte budget was full
-    budget_full: float = 0.0
+    budget_full: float = _figure(ENGINE, 0.0)
     #: requests answered whole, and the sum of their latencies
-    answers: int = 0
-    latency_sum: float = 0.0
+    answers: int = _figure(ENGINE)
+    latency_sum: float = _figure(ENGINE, 0.0)
     #: seconds the training loop waited on the iterator's decode (not on the loader)
-    decode_wait: float = 0.0
+    decode_wait: float = _figure(CONSUMER, 0.0)
     #: busy seconds of the decode threads, summed (TorchIterator; 0 for DALI, which does not say)
-    decode_busy: float = 0.0
+    decode_busy: float = _figure(CONSUMER, 0.0)
     #: the iterator's decode threads, batches in its decode queue and its capacity (gauges; 0: no iterator)
-    decode_threads: int = 0
-    decode_queue: int = 0
-    decode_depth: int = 0
+    decode_threads: int = _figure(CONSUMER, gauge=True)
+    decode_queue: int = _figure(CONSUMER, gauge=True)
+    decode_depth: int = _figure(CONSUMER, gauge=True)
     #: samples left out because their bytes did not match the checksum stored with them
     #: (``ErrorPolicy(on_error="skip")``; counted in ``skipped`` too), and the first 1,000 ids
-    corrupt: int = 0
-    corrupt_ids: tuple[int, ...] = ()
+    corrupt: int = _figure(CONSUMER)
+    corrupt_ids: tuple[int, ...] = _figure(CONSUMER, (), gauge=True)
     #: samples an iterator left out because they failed to decode, and the first 1,000 ids
-    undecodable: int = 0
-    undecodable_ids: tuple[int, ...] = ()
+    undecodable: int = _figure(CONSUMER)
+    undecodable_ids: tuple[int, ...] = _figure(CONSUMER, (), gauge=True)
 
     @property
     def samples_per_s(self) -> float:
@@ -199,12 +127,8 @@ class Stats:
     def since(self, earlier: Stats) -> Stats:
         """The figures of the interval from ``earlier`` to this snapshot
         (counts and times as differences; gauges as of now)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name in ("elapsed", "samples", "batches", "bytes", "wait", "skipped", "received", "requests",
-                     "retries", "failures", "hedges", "duplicates", "window_full", "budget_full", "answers", "latency_sum",
-                     "decode_wait", "decode_busy", "corrupt", "undecodable"):
-            d[name] = getattr(self, name) - getattr(earlier, name)
-        return Stats(**d)
+        return Stats(**{name: getattr(self, name) if gauge else getattr(self, name) - getattr(earlier, name)
+                        for name, gauge in _KINDS})
 
     def as_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -220,3 +144,42 @@ class Stats:
             f"(min {_ms(self.min_latency)}) | retries {self.retries} failures {self.failures} "
             f"hedges {self.hedges} skipped {self.skipped} | peak {self.peak_bytes / 2**20:,.1f} MiB"
         )
+
+
+#: (name, gauge) of every figure, in order; the names each side writes live
+_KINDS = tuple((f.name, f.metadata["gauge"]) for f in fields(Stats))
+_ENGINE = tuple(f.name for f in fields(Stats) if f.metadata["side"] == ENGINE)
+_CONSUMER = tuple(f.name for f in fields(Stats) if f.metadata["side"] == CONSUMER)
+
+
+def _live(name: str, side: str, doc: str, extra: list[tuple] = ()) -> type:
+    """A mutable class with ``side``'s fields of :class:`Stats` (a list for a tuple of ids)."""
+    specs = [(f.name, f.type, field(default_factory=list) if f.default == () else field(default=f.default))
+             for f in fields(Stats) if f.metadata["side"] == side]
+    cls = make_dataclass(name, specs + list(extra), slots=True, eq=False, repr=False)
+    cls.__doc__, cls.__module__ = doc, __name__
+    return cls
+
+
+Counters = _live("Counters", ENGINE, "The engine's figures (``Stats``' ENGINE fields): written only on the "
+                 "engine's event loop, read anywhere.")
+Taken = _live(
+    "Taken", CONSUMER,
+    "The consumer's figures (``Stats``' CONSUMER fields): written only by the thread that takes batches "
+    "(the decode ones through ``Loader.record_decode``). The clock starts at the first ``get()``, as "
+    "SPDL's queue stats do: ``first`` (time.monotonic()), and ``waiting_since``, when a wait now under "
+    "way began.",
+    [("first", "float | None", field(default=None)), ("waiting_since", "float | None", field(default=None))],
+)
+
+
+def snapshot(c: Counters, taken: Taken, ready_bytes: int) -> Stats:
+    """Both sides' figures as one frozen :class:`Stats`."""
+    now = time.monotonic()
+    d = {name: getattr(c, name) for name in _ENGINE}
+    d.update((name, tuple(v) if isinstance(v, list) else v) for name in _CONSUMER for v in (getattr(taken, name),))
+    since = taken.waiting_since
+    if since is not None:
+        d["wait"] += max(0.0, now - since)  # a wait under way counts so far
+    d.update(elapsed=0.0 if taken.first is None else now - taken.first, ready_bytes=ready_bytes)
+    return Stats(**d)

@@ -158,7 +158,7 @@ class TorchIterator(ImageIterator):
         busy = 0.0
         for f in job.futures:
             busy += f.result()  # raises the first decode error, naming the sample
-        self.loader._taken.decode_busy += busy
+        self.loader.record_decode(busy=busy)
         self._fifo.popleft()
         self._fill(block=False)
         prep = job.prep
