@@ -3,7 +3,7 @@
 Tests and benchmarks put it between a client and a server where a kernel
 without ``sch_netem`` cannot do ``tc qdisc add ... netem delay 50ms rate 1gbit``.
 It is a lab tool, not part of the client: ``dataferry latency-proxy`` runs it
-from the command line (``_latency_proxy_cli.py``), and the durations and rates
+from the command line (``latency_proxy_cli.py``), and the durations and rates
 it takes are parsed in ``dataferry.schema._units``.
 
 It behaves like a pipe with propagation delay, not like stop-and-wait. Each

@@ -73,7 +73,7 @@ def _proxies(cond: Condition, *, host: str, wrap: tuple[str, ...], rate: bool):
 
         def route(upstream: Address) -> Address:
             if upstream not in proxies:
-                cmd = [*wrap, sys.executable, "-m", "dataferry.schema._cli", "latency-proxy",
+                cmd = [*wrap, sys.executable, "-m", "dataferry.schema.cli", "latency-proxy",
                        "--listen", f"{host}:0", "--upstream", f"{upstream[0]}:{upstream[1]}",
                        "--delay", f"{cond.rtt_ms / 2:g}ms", "--jitter", f"{cond.jitter_ms:g}ms"]
                 if rate and cond.rate:

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     folder, rest = argv[trim], argv[trim + 1:]
     parent = os.getpid()
     os.register_at_fork(after_in_child=lambda: os.getppid() == parent and _install(folder, trim))
-    from dataferry.server._cli import main as serve
+    from dataferry.server.cli import main as serve
 
     return serve(rest)
 

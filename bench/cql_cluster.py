@@ -76,7 +76,7 @@ class Store:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dataferry.schema._cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "dataferry.schema.cli", *args], capture_output=True, text=True,
                           check=False, stdin=subprocess.DEVNULL)
 
 

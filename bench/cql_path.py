@@ -172,7 +172,7 @@ def _proxy(stack: contextlib.ExitStack, address: tuple[str, int], rtt: float, wi
         from ._links import Condition, ProxyLink
 
         return stack.enter_context(ProxyLink().emulate(Condition(rtt_ms=rtt)))(address)
-    cmd = [sys.executable, "-m", "dataferry.schema._cli", "latency-proxy", "--listen", "127.0.0.1:0",
+    cmd = [sys.executable, "-m", "dataferry.schema.cli", "latency-proxy", "--listen", "127.0.0.1:0",
            "--upstream", f"{address[0]}:{address[1]}", "--delay", f"{rtt / 2:g}ms", "--window", window]
     return stack.enter_context(announced(cmd, "the latency proxy"))
 

@@ -1,7 +1,7 @@
 """dataferry.server: the data service, an aiohttp app near the store.
 
 ``make_app(store, ServerOptions(...))`` builds the application; ``dataferry
-serve`` (``_cli.py``) runs it. The API is described in ``openapi.yaml`` and
+serve`` (``cli.py``) runs it. The API is described in ``openapi.yaml`` and
 the wire format in ``dataferry/schema/_wire.py``. See ``README.md`` in this
 folder for a map of the files and how a request flows through them.
 

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import pytest
 from dockerfile_parse import DockerfileParser
 
-from dataferry.schema._cli import _parser
+from dataferry.schema.cli._main import _parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

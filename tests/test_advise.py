@@ -24,7 +24,7 @@ from dataferry.client._advise import (
     DEFAULT_MIN_PSNR, Advice, AdviseOptions, Link, Measurement, Rules, Strategy, advise_source, candidates,
     choose_sample, dali_decode_rate, ingest_command, predict, recommend, render,
 )
-from dataferry.schema._cli import main
+from dataferry.schema.cli import main
 from dataferry.schema._scan import scan
 from dataferry.schema._synthetic import make_synthetic
 from dataferry.schema._validate import ValidateOptions, validate_bytes

@@ -265,7 +265,7 @@ def _ingest(url: str, folder: Path, dataset: str, log: Path) -> subprocess.Popen
     """``dataferry ingest`` in a process group of its own (with its validation workers), output to ``log``."""
     with open(log, "w") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "dataferry.schema._cli", "ingest", str(folder), "--dataset", dataset,
+            [sys.executable, "-m", "dataferry.schema.cli", "ingest", str(folder), "--dataset", dataset,
              "--store", url, "--quiet", "--workers", "1"],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -331,7 +331,7 @@ def test_schema_apply_with_a_node_down(nodes):
     nodes.nodes[2].kill()
     name = f"k{uuid.uuid4().hex[:10]}"
     proc = subprocess.run(
-        [sys.executable, "-m", "dataferry.schema._cli", "schema", "apply", "--store",
+        [sys.executable, "-m", "dataferry.schema.cli", "schema", "apply", "--store",
          nodes.url(name, replication="SimpleStrategy:3")],
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr

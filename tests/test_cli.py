@@ -9,7 +9,7 @@ import time
 import pytest
 from oddfiles import build_odd_tree, noise_image
 
-from dataferry.schema._cli import main
+from dataferry.schema.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def cli(capsys, *argv) -> tuple[int, str, str]:
 def test_help_is_fast_and_imports_nothing_heavy():
     probe = (
         "import sys, contextlib, io\n"
-        "from dataferry.schema._cli import main\n"
+        "from dataferry.schema.cli import main\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    assert main(['--help']) == 0\n"
         "heavy = [m for m in ('numpy', 'PIL', 'asyncio', 'sqlite3', 'cassandra', 'tqdm') if m in sys.modules]\n"
@@ -34,9 +34,9 @@ def test_help_is_fast_and_imports_nothing_heavy():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
-    subprocess.run([sys.executable, "-m", "dataferry.schema._cli", "--help"], capture_output=True, check=True)
+    subprocess.run([sys.executable, "-m", "dataferry.schema.cli", "--help"], capture_output=True, check=True)
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "dataferry.schema._cli", "--help"], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "dataferry.schema.cli", "--help"], capture_output=True, text=True)
     assert time.perf_counter() - t0 < 1.0
     assert done.returncode == 0 and "ingest" in done.stdout and "demo" in done.stdout
 

@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataferry.schema import ConfigError, DatasetInfo, IdList, Sample, SampleMeta, SampleRecord, open_store, sample_id
-from dataferry.schema._cli import main as cli
+from dataferry.schema.cli import main as cli
 from dataferry.schema._errors import SplitNotFound, StoreError
 from dataferry.schema._filter import FilterError, compile_filter, glob_match, parse_filter
 from dataferry.schema._splits import content_hash, derive_split

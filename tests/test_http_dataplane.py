@@ -40,7 +40,7 @@ def test_large_samples_arrive_byte_exact_as_read_only_views(tmp_path, tls):
     """300 KB samples (read mostly straight into their buffers, through TLS
     too), with every kind of target, over several requests on kept-alive
     connections; a small write_chunk puts chunk boundaries inside payloads."""
-    from dataferry.server._cli import ssl_context
+    from dataferry.server.cli import ssl_context
 
     samples = make_samples(24, size=300_000)
     want = {s.id: s for s in samples}

@@ -37,7 +37,7 @@ def connect(*a, **k):
     conn.execute(f"PRAGMA max_page_count={limit}")
     return conn
 sqlite3.connect = connect
-from dataferry.schema._cli import main
+from dataferry.schema.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -53,7 +53,7 @@ def _tree(root, classes: dict[str, int], side: int, seed: int = 0):
 def _cli(*argv, page_limit: int | None = None) -> subprocess.CompletedProcess:
     args = [str(a) for a in argv]
     if page_limit is None:
-        cmd = [sys.executable, "-m", "dataferry.schema._cli", *args]
+        cmd = [sys.executable, "-m", "dataferry.schema.cli", *args]
     else:
         cmd = [sys.executable, "-c", _PAGE_LIMITED_CLI, str(page_limit), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)

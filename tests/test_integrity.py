@@ -135,7 +135,7 @@ def test_an_old_sqlite_file_still_loads_and_gets_the_column(sqlite_store):
 
 def _verify(capsys, url: str, dataset: str = DS) -> tuple[int, str]:
     """``dataferry verify`` (in this process): exit status and stdout."""
-    from dataferry.schema._cli import main
+    from dataferry.schema.cli import main
 
     code = main(["verify", "--dataset", dataset, "--store", url, "-q"])
     return code, capsys.readouterr().out

@@ -51,7 +51,7 @@ def folder(root, n: int, seed: int = 0) -> dict[str, np.ndarray]:
 def test_ingest_jpeg2000_round_trips_pixel_exact_through_both_iterators(tmp_path):
     want = folder(tmp_path / "src", 24)
     db = tmp_path / "lossless.db"
-    subprocess.run([sys.executable, "-m", "dataferry.schema._cli", "ingest", str(tmp_path / "src"), "--dataset", "seg",
+    subprocess.run([sys.executable, "-m", "dataferry.schema.cli", "ingest", str(tmp_path / "src"), "--dataset", "seg",
                     "--store", f"sqlite:{db}", "--format", "jpeg2000", "--quiet", "--workers", "1"],
                    check=True, capture_output=True, text=True)
     paths = _paths(db)

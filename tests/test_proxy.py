@@ -24,7 +24,7 @@ import time
 import pytest
 
 from dataferry.bench._latency_proxy import DEFAULT_MAX_BUFFER, LatencyProxy, LinkOptions, ProxyThread
-from dataferry.bench._latency_proxy_cli import _parse_address, add_cli_arguments, cli, serve_proxy
+from dataferry.bench.latency_proxy_cli import _parse_address, add_cli_arguments, cli, serve_proxy
 from dataferry.schema._units import parse_duration, parse_rate
 from dataferry.schema import ConfigError
 
@@ -662,7 +662,7 @@ def test_serve_proxy_prints_its_address_and_serves_until_cancelled(capsys):
 
 _CLI_MAIN = """
 import argparse, sys
-from dataferry.bench._latency_proxy_cli import add_cli_arguments, cli
+from dataferry.bench.latency_proxy_cli import add_cli_arguments, cli
 parser = argparse.ArgumentParser()
 add_cli_arguments(parser)
 sys.exit(cli(parser.parse_args(sys.argv[1:])))

@@ -38,7 +38,8 @@ def test_all_is_pinned_and_resolves(module):
 #: public to them, not in ``__all__``; other packages import nothing else of schema's (test_layering)
 SHARED = [
     "check", "TokenRefused", "WireFormatError", "RequestRejected", "redact_url", "LoopThread", "new_event_loop",
-    "valid_token", "content_hash", "derived_name", "parse_duration", "parse_rate", "parse_size",
+    "valid_token", "content_hash", "derived_name", "parse_ratios", "ProgressBar", "verify_dataset", "apply_schema",
+    "schema_statements", "parse_duration", "parse_rate", "parse_size",
     "DEFAULT_MAX_PIXELS", "LOSSLESS", "ValidateOptions", "prepare_image", "validate_bytes", "validator_pool",
     "require_images", "scan", "format_table", "store_arg", "positive", "run", "with_store",
     "ACCEPT_SUMS", "FRAMES_TYPE", "IDLIST_TYPE", "IDS_TYPE", "ErrorRecord", "FrameDecoder", "decode_ids",

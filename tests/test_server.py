@@ -470,7 +470,7 @@ def test_token_auth(tmp_path):
 
 # --- TLS ----------------------------------------------------------------------------------------------
 def test_tls_with_a_self_signed_certificate(tmp_path):
-    from dataferry.server._cli import ssl_context
+    from dataferry.server.cli import ssl_context
 
     cert, key = self_signed(tmp_path)
 

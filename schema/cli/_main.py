@@ -1,4 +1,4 @@
-"""The ``dataferry`` command line.
+"""The ``dataferry`` command line: the dispatcher and the store's own subcommands.
 
 Each subcommand is two plain functions: ``configure(parser)`` declares its
 arguments (cheap: it runs for ``--help``) and ``run(args) -> int`` does the
@@ -18,8 +18,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from ._args import positive as _positive, run as _run, store_arg as _store_arg, with_store as _with_store
-from ._errors import ConfigError, DataferryError
+from dataferry.schema import ConfigError, DataferryError
+from dataferry.schema import positive as _positive, run as _run, store_arg as _store_arg, with_store as _with_store
 
 __all__ = ["main", "command"]
 
@@ -30,10 +30,10 @@ _COMMANDS: dict[str, tuple[str, Configure]] = {}
 #: has ``add_cli_arguments(parser)`` and ``cli(args) -> int``, and is imported
 #: only when its subcommand is the one asked for.
 _MODULES: dict[str, tuple[str, str]] = {
-    "serve": ("dataferry.server._cli", "serve a store's samples over HTTP to remote training jobs"),
-    "latency-proxy": ("dataferry.bench._latency_proxy_cli", "a TCP proxy that adds delay, jitter and a bandwidth cap"),
+    "serve": ("dataferry.server.cli", "serve a store's samples over HTTP to remote training jobs"),
+    "latency-proxy": ("dataferry.bench.latency_proxy_cli", "a TCP proxy that adds delay, jitter and a bandwidth cap"),
     "demo": ("dataferry.bench.demo", "ingest synthetic images, serve them, and stream epochs across an emulated WAN link"),
-    "advise": ("dataferry.client._advise_cli",
+    "advise": ("dataferry.client.advise_cli",
                "measure how to store a dataset (original, JPEG qualities, resized, lossless) and recommend one"),
     "bench": ("dataferry.bench.cli", "throughput against RTT, loss and link rate: ours, a naive DataLoader, WebDataset"),
 }
@@ -81,9 +81,7 @@ def _run_ingest(args: argparse.Namespace) -> int:
         raise ConfigError("ingest needs a source: give SRC or --synthetic N (not both)")
     if args.synthetic is None and (args.classes or args.seed is not None or args.keep_dir):
         raise ConfigError("--classes, --seed and --keep-dir go with --synthetic")
-    from ._ingest import IngestOptions, ingest
-    from ._scan import require_images, scan
-    from ._validate import DEFAULT_MAX_PIXELS
+    from dataferry.schema import DEFAULT_MAX_PIXELS, IngestOptions, ingest, require_images, scan
 
     options = IngestOptions(
         format=args.format,
@@ -111,7 +109,7 @@ def _with_synthetic(args: argparse.Namespace, go: Callable[[str], int]) -> int:
     import tempfile
     import time
 
-    from ._synthetic import make_synthetic
+    from dataferry.schema import make_synthetic
 
     def make(folder: str) -> int:
         t0 = time.perf_counter()
@@ -142,7 +140,7 @@ def _configure_verify(p: argparse.ArgumentParser) -> None:
 
 
 def _run_verify(args: argparse.Namespace) -> int:
-    from ._verify import ProgressBar, verify_dataset
+    from dataferry.schema import ProgressBar, verify_dataset
 
     bar = ProgressBar(args.dataset, show=False if args.quiet else None)
     try:
@@ -175,8 +173,7 @@ def _configure_split(p: argparse.ArgumentParser) -> None:
 
 
 def _run_split(args: argparse.Namespace) -> int:
-    from ._model import ALL_SPLIT
-    from ._splits import derive_split, make_splits, parse_ratios
+    from dataferry.schema import ALL_SPLIT, derive_split, make_splits, parse_ratios
 
     if args.where is None and args.ratios is None:
         raise ConfigError("split needs --ratios (train=0.8,val=0.2), or --where FILTER --name NAME, or both")
@@ -200,7 +197,7 @@ def _run_split(args: argparse.Namespace) -> int:
         others = [s.name for s in await store.list_splits(args.dataset) if s.name not in splits and s.name != ALL_SPLIT]
         return derived, source, len(idlist), splits, others
 
-    from ._filter import FilterError, parse_filter
+    from dataferry.schema import FilterError, parse_filter
 
     try:
         if args.where is not None:
@@ -260,7 +257,7 @@ def _run_ls(args: argparse.Namespace) -> int:
 
 
 def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
-    from ._table import format_table
+    from dataferry.schema import format_table
 
     return format_table(header, rows)
 
@@ -281,14 +278,14 @@ def _configure_schema(p: argparse.ArgumentParser) -> None:
 def _run_schema(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from ._url import CassandraOptions, parse_store_url
+    from dataferry.schema import CassandraOptions, parse_store_url
 
     opts = parse_store_url(args.store) if args.store else CassandraOptions()
     if not isinstance(opts, CassandraOptions):
         raise ConfigError(f"schema {args.action} is for cassandra:// stores; {args.store!r} creates its own tables")
     if args.replication:
         opts = dataclasses.replace(opts, replication=args.replication)
-    from ._ddl import apply_schema, schema_statements
+    from dataferry.schema import apply_schema, schema_statements
 
     if args.action == "show":
         print("\n\n".join(f"{stmt};" for stmt in schema_statements(opts)))
@@ -341,6 +338,3 @@ def main(argv: list[str] | None = None) -> int:
         print("dataferry: interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())
