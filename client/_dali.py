@@ -35,7 +35,7 @@ batch's outputs: that is the lifetime DALI needs, whatever the queue depth
 its documented contract leaves the lifetime to us, so we do not rely on it).
 Those batches are out of the loader's byte budget (it counts a batch as
 released once handed out), so memory holds up to ``Prefetch.max_bytes`` plus
-``prefetch + 1`` batches of encoded bytes.
+``decode_depth + 1`` batches of encoded bytes.
 
 **Outputs** reach torch through DLPack without a copy: the pipeline runs
 DALI's dynamic executor (``exec_dynamic=True``), whose outputs are
@@ -78,7 +78,7 @@ import logging
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Literal
 
 import numpy as np
@@ -87,7 +87,7 @@ from dataferry.schema import ConfigError, DataferryError, InvalidImage, Undecoda
 
 from ._types import Batch
 from ._hardware import decoder_defaults, usable_cores
-from ._imagebatch import ImageBatch, ImageIterator, Prepared, Undecodable, prepare
+from ._imagebatch import ImageBatch, ImageIterator, Prepared, Undecodable, prepare, renamed_prefetch
 from ._transforms import EvalTransform, TargetKind, Transform, decode_rgb
 
 __all__ = ["DaliOptions", "DaliIterator", "dali_gpu_count", "import_dali", "build_pipeline"]
@@ -126,8 +126,9 @@ class DaliOptions:
     ``device``: ``"gpu"`` (nvJPEG via the ``mixed`` decoder, transforms on the
     GPU), ``"cpu"`` (libjpeg-turbo and CPU operators), or None for the GPU
     when there is one. ``device_id``: the GPU (default
-    ``torch.cuda.current_device()``). ``prefetch``: DALI's
-    ``prefetch_queue_depth``, batches processed ahead of the consumer.
+    ``torch.cuda.current_device()``). ``decode_depth``: DALI's
+    ``prefetch_queue_depth``, batches processed ahead of the consumer
+    (``prefetch=``, its old name, still works with a DeprecationWarning).
     ``num_threads`` (DALI's CPU threads) and ``hw_decoder_load`` (the share of
     JPEGs for the GPU's hardware decoder): None follows the machine (see
     ``_hardware.py``: 4 threads and 0.99 on H100/H200/B200, up to 8 threads
@@ -138,18 +139,18 @@ class DaliOptions:
     device: Literal["cpu", "gpu"] | None = None
     device_id: int | None = None
     num_threads: int | None = None
-    prefetch: int = 2
+    decode_depth: int = 2
     hw_decoder_load: float | None = None
+    prefetch: InitVar[int | None] = None  # decode_depth's old name
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, prefetch: int | None) -> None:
+        object.__setattr__(self, "decode_depth", renamed_prefetch(prefetch, self.decode_depth, "DaliOptions", 4))
         if self.device not in (None, "cpu", "gpu"):
             raise ConfigError(f"device must be None, 'cpu' or 'gpu', not {self.device!r}")
         if self.device_id is not None and self.device_id < 0:
             raise ConfigError(f"device_id must be >= 0, not {self.device_id}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1, not {self.num_threads}")
-        if self.prefetch < 1:
-            raise ConfigError(f"prefetch must be >= 1, not {self.prefetch}")
         if self.hw_decoder_load is not None and not 0 <= self.hw_decoder_load <= 1:
             raise ConfigError(f"hw_decoder_load must be in [0, 1], not {self.hw_decoder_load}")
 
@@ -202,7 +203,7 @@ def build_pipeline(source, transform: Transform, *, targets: TargetKind, batch_s
     threads, hw_load = options.decoding(device, device_id, torch)
 
     @dali.pipeline_def(batch_size=batch_size, num_threads=threads, device_id=device_id,
-                       prefetch_queue_depth=options.prefetch, exec_dynamic=True)
+                       prefetch_queue_depth=options.decode_depth, exec_dynamic=True)
     def pipe():
         inputs = fn.external_source(source=source, num_outputs=len(dtypes), batch=True, no_copy=True,
                                     dtype=dtypes, ndim=ndims)
@@ -371,7 +372,7 @@ class DaliIterator(ImageIterator):
 
     def _decode_gauges(self) -> tuple[int, int, int]:
         threads = getattr(self._state.get("pipeline"), "num_threads", 0) or 0
-        return threads, len(self._feeder.inflight), self.options.prefetch
+        return threads, len(self._feeder.inflight), self.options.decode_depth
 
     def _next_decoded(self) -> ImageBatch:
         """The outputs of one ``pipeline.run()`` (the feeder takes from the loader inside it)."""

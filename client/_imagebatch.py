@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -58,9 +59,20 @@ from ._transforms import (
 )
 
 __all__ = ["ImageBatch", "ImageIterator", "Prepared", "prepare", "state_without", "import_torch", "Undecodable",
-           "subset"]
+           "subset", "renamed_prefetch"]
 
 log = logging.getLogger("dataferry.client")
+
+
+def renamed_prefetch(prefetch: int | None, decode_depth: int, owner: str, stacklevel: int = 3) -> int:
+    """The batches decoded ahead of the consumer, checked: ``decode_depth``, or ``prefetch``, its
+    old name (a DeprecationWarning: "prefetch" is the loader's ``Prefetch``)."""
+    if prefetch is not None:
+        warnings.warn(f"{owner}(prefetch=) is now decode_depth=", DeprecationWarning, stacklevel=stacklevel)
+        decode_depth = prefetch
+    if decode_depth < 1:
+        raise ConfigError(f"decode_depth (batches decoded ahead; was prefetch) must be >= 1, not {decode_depth}")
+    return decode_depth
 
 
 def import_torch():

@@ -58,7 +58,7 @@ class Prefetch:
       shrinks when answers queue at the bottleneck (latency above the lowest
       by more than a few requests' worth, as TCP Vegas does, judged (tuned)
       by the lowest latency of this round trip and the last, so a tail of
-      late answers is no queue; with ``adaptive``) or a request fails;
+      late answers is no queue) or a request fails;
     * the request size: small at first (the first batch spread over several
       requests, for a short time to first batch), then doubled while a
       doubling cuts the engine's measured CPU per sample by more than 5%
@@ -80,7 +80,6 @@ class Prefetch:
     request_size: int | None = None
     #: assumed bytes per sample until the first answers arrive
     sample_bytes_hint: int = 128 << 10
-    adaptive: bool = True
     tune: bool = True
 
     def __post_init__(self) -> None:

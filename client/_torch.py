@@ -8,7 +8,7 @@
           │          thread pool: decode ─► crop+resize ─► flip ─► normalize
           │                        │          (writes into the batch's arrays)
           ▼                        ▼
-    in flight: up to ``prefetch`` batches ──► ImageBatch (torch tensors, NCHW) ──► map
+    in flight: up to ``decode_depth`` batches ──► ImageBatch (torch tensors, NCHW) ──► map
 
 Epochs, resume (leaving out the batches in flight), the batch type and the
 ``map`` hook are shared with the DALI path: see ``_imagebatch.py``.
@@ -30,7 +30,7 @@ from dataferry.schema import ConfigError, DataferryError, InvalidImage
 
 from ._types import Batch
 from ._hardware import usable_cores
-from ._imagebatch import ImageBatch, ImageIterator, Prepared, Undecodable, prepare, subset
+from ._imagebatch import ImageBatch, ImageIterator, Prepared, Undecodable, prepare, renamed_prefetch, subset
 from ._transforms import EvalTransform, TargetKind, Transform, decode_mask, decode_rgb, transform_image, transform_mask
 
 __all__ = ["TorchIterator"]
@@ -82,7 +82,8 @@ class TorchIterator(ImageIterator):
     (decode only). ``targets``: ``"none"``, ``"mask"`` or ``"multilabel"``
     (see ``_transforms.py`` for the encodings). ``workers``: decode threads
     (default: the usable cores, ``_hardware.usable_cores``, at most 16; Pillow releases the GIL while it decodes
-    and resizes). ``prefetch``: batches decoded ahead of the consumer.
+    and resizes). ``decode_depth``: batches decoded ahead of the consumer
+    (``Stats.decode_depth``; ``prefetch=``, its old name, still works with a DeprecationWarning).
     ``seed`` (default: the loader's plan seed) keys the random crops and
     flips with the epoch and sample id. ``map``: a function from
     :class:`ImageBatch` to :class:`ImageBatch` applied to each batch after
@@ -101,18 +102,18 @@ class TorchIterator(ImageIterator):
         *,
         targets: TargetKind = "none",
         workers: int | None = None,
-        prefetch: int = 2,
+        decode_depth: int = 2,
         seed: int | None = None,
         map: Callable[[ImageBatch], ImageBatch] | None = None,
+        prefetch: int | None = None,
     ) -> None:
         super().__init__(loader, transform, targets, seed, map)
-        if prefetch < 1:
-            raise ConfigError(f"prefetch must be >= 1, not {prefetch}")
+        decode_depth = renamed_prefetch(prefetch, decode_depth, "TorchIterator")
         if workers is None:  # Pillow releases the GIL while decoding: one thread per usable core
             workers = min(16, usable_cores())
         if workers < 1:
             raise ConfigError(f"workers must be >= 1, not {workers}")
-        self.prefetch = prefetch
+        self.decode_depth = decode_depth
         self.workers = workers
         self._chunk = max(1, loader.batch_size // (2 * workers))
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="dataferry-decode")
@@ -138,7 +139,7 @@ class TorchIterator(ImageIterator):
         return self._pop()
 
     def _decode_gauges(self) -> tuple[int, int, int]:
-        return self.workers, len(self._fifo), self.prefetch
+        return self.workers, len(self._fifo), self.decode_depth
 
     def _next_nowait(self) -> ImageBatch:
         """A decoded batch if the first in line is done, else ``queue.Empty``."""
@@ -182,7 +183,7 @@ class TorchIterator(ImageIterator):
         return self._deliver(prep, images, masks)
 
     def _fill(self, *, block: bool) -> None:
-        while not self._ended and len(self._fifo) < self.prefetch:
+        while not self._ended and len(self._fifo) < self.decode_depth:
             try:
                 batch = self._epoch.get() if block else self._epoch.get_nowait()
             except StopIteration:

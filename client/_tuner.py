@@ -462,7 +462,7 @@ class Link:
             # and the last, so answers at the floor in each round trip mean no queue
             self._low_now = min(self._low_now, latency)
             latency = min(self._low_now, self._low_last)
-        if p.adaptive and latency > 0:
+        if latency > 0:
             queued = self.window * (1.0 - self.min_latency / latency)
         target = self.target()
         floor = float(self.MIN_WINDOW if self.tuned else p.initial_inflight or 2)

@@ -65,7 +65,7 @@ def test_epochs_keep_the_partial_last_batch_and_every_id_once():
 
 def test_an_epoch_shorter_than_the_prefetch_queue():
     samples = jpeg_samples(5)
-    out = run_epochs(dali(EvalTransform(16, 16), options=DaliOptions(device="cpu", prefetch=4)),
+    out = run_epochs(dali(EvalTransform(16, 16), options=DaliOptions(device="cpu", decode_depth=4)),
                      MemorySource("ds", samples), epochs=3, batch_size=4)
     check_epochs(out, samples, [4, 1])
 
@@ -173,7 +173,7 @@ def test_no_copy_buffers_live_until_their_outputs_are_out():
     src = _FreshBytes("ds", samples)
     by_id = {s.id: s for s in samples}
     with Loader(src, "ds", batch_size=8) as loader:
-        it = DaliIterator(loader, None, options=DaliOptions(device="cpu", prefetch=3))
+        it = DaliIterator(loader, None, options=DaliOptions(device="cpu", decode_depth=3))
         for _ in range(2):
             for b in it:
                 gc.collect()
@@ -189,7 +189,7 @@ def test_no_copy_buffers_live_until_their_outputs_are_out():
 def test_state_dict_leaves_out_batches_inside_dali():
     samples = jpeg_samples(100)
     src = MemorySource("ds", samples)
-    opts = DaliOptions(device="cpu", prefetch=3)
+    opts = DaliOptions(device="cpu", decode_depth=3)
     with Loader(src, "ds", batch_size=10) as loader, DaliIterator(loader, EvalTransform(16, 16), options=opts) as it:
         first = [next(it), next(it)]
         assert len(it._feeder.inflight) >= 2  # DALI has pulled ahead of the consumer
@@ -225,7 +225,7 @@ def test_device_choice_and_options():
     if not GPU:
         with pytest.raises(ConfigError, match="no CUDA device|no CUDA"):
             DaliOptions(device="gpu").resolve(torch)
-    for bad in ({"device": "tpu"}, {"prefetch": 0}, {"num_threads": 0}, {"device_id": -1}, {"hw_decoder_load": 2}):
+    for bad in ({"device": "tpu"}, {"decode_depth": 0}, {"num_threads": 0}, {"device_id": -1}, {"hw_decoder_load": 2}):
         with pytest.raises(ConfigError):
             DaliOptions(**bad)
     with Loader(MemorySource("ds", jpeg_samples(2)), "ds") as loader:

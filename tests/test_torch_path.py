@@ -290,7 +290,7 @@ def test_ranks_read_disjoint_shards():
 def test_state_dict_leaves_out_batches_in_flight():
     samples = jpeg_samples(100)
     src = MemorySource("ds", samples)
-    with Loader(src, "ds", batch_size=10) as loader, TorchIterator(loader, EvalTransform(16, 16), prefetch=3) as it:
+    with Loader(src, "ds", batch_size=10) as loader, TorchIterator(loader, EvalTransform(16, 16), decode_depth=3) as it:
         first = [next(it), next(it)]
         state = it.state_dict()  # the loader itself has handed out more than these two batches
     taken = {i for b in first for i in b.ids.tolist()}
@@ -304,7 +304,7 @@ def test_state_dict_at_the_tail_of_an_epoch():
     """The loader may have ended the epoch while its last batches are still decoding."""
     samples = jpeg_samples(30)
     src = MemorySource("ds", samples)
-    with Loader(src, "ds", batch_size=10) as loader, TorchIterator(loader, EvalTransform(16, 16), prefetch=4) as it:
+    with Loader(src, "ds", batch_size=10) as loader, TorchIterator(loader, EvalTransform(16, 16), decode_depth=4) as it:
         first = next(it)
         state = it.state_dict()
     assert state["epoch"] == 0
@@ -378,4 +378,16 @@ def test_bad_targets_and_options_are_named():
         with pytest.raises(ConfigError, match="targets"):
             TorchIterator(loader, targets="boxes")
         with pytest.raises(ConfigError, match="prefetch"):
-            TorchIterator(loader, prefetch=0)
+            TorchIterator(loader, decode_depth=0)
+
+
+def test_the_iterators_old_prefetch_keyword_still_works_with_a_deprecation_warning():
+    from dataferry.client import DaliOptions
+
+    with Loader(MemorySource("ds", jpeg_samples(20)), "ds", batch_size=10) as loader:
+        with pytest.warns(DeprecationWarning, match="decode_depth"):
+            it = TorchIterator(loader, EvalTransform(16, 16), prefetch=3)
+        with it:
+            assert it.decode_depth == 3 and len(list(it)) == 2
+    with pytest.warns(DeprecationWarning, match="decode_depth"):
+        assert DaliOptions(device="cpu", prefetch=4).decode_depth == 4
