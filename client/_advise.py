@@ -1,44 +1,14 @@
 """Choose how to store a dataset by measuring it: ``dataferry advise``.
 
-How images are stored decides every epoch's cost: bytes on the wire, decode
-time, and what the pixels still hold. :func:`measure` applies each candidate
-:class:`Strategy` to a reproducible sample of the source (:func:`choose_sample`)
-with the code ingest uses (:func:`~._validate.validate_bytes` with the
-strategy's :class:`~._validate.ValidateOptions`) and measures, per strategy:
-
-* **bytes** per image, the mean over the sample;
-* **encode** time at ingest: CPU per image of ``validate_bytes`` (decode,
-  check, re-encode), the work ingest spreads over its worker processes;
-* **CPU decode** rate: CPU per image of a Pillow decode to RGB (what the
-  PyTorch path does per sample), times the usable cores
-  (``client._hardware.usable_cores``): images/s when every core decodes;
-* **GPU decode** rate, when DALI sees a GPU and torch has CUDA: DALI's
-  ``mixed`` decoder over the encoded sample in batches of 32, images per
-  second of wall time (:func:`dali_decode_rate`); None otherwise
-  (``AdviseOptions(dali="cpu")`` runs the same pipeline on DALI's CPU
-  decoder); bytes DALI cannot decode (GIF) leave the row's rate None with
-  the reason in ``gpu_error``;
-* **fidelity**: PSNR in dB over the sample's pooled RGB values against the
-  source's pixels as ingest prepares them (:func:`~._validate.prepare_image`:
-  EXIF orientation applied; for a resized strategy the source resized the
-  same way), ``exact`` when every value is equal. Keeping the original bytes
-  is exact by definition.
-
-:func:`predict` turns a measurement into the epoch time of the full dataset
-over a :class:`Link`: ``max(N * bytes / bandwidth, N / decode rate)`` plus
-set-up, ``4 * RTT`` (connection, TLS, the split's id list, the first batch;
-after that the engine keeps enough requests in flight to hide the RTT), and
-names the bound, ``link`` or ``decode``. The decode rate is the GPU's when one
-was measured, else the CPU's. :func:`recommend` picks, among the strategies
-:class:`Rules` allow, the one with the shortest predicted epoch (within 1%:
-the fewer bytes). Measuring and predicting are separate, so one measurement
-answers for any link.
-
-A source is ``lossless`` when every sampled image is in a lossless format
-(PNG, BMP, PPM/PGM, GIF, lossless WebP, TIFF not JPEG-compressed, JPEG 2000:
-taken as reversible), ``lossy`` when none is, else ``mixed``; PNG and JPEG 2000
-(``jpeg2000``: lossless; nvJPEG2000 decodes it on GPUs) are candidates
-unless the source is lossy.
+:func:`measure` applies each candidate :class:`Strategy` (the original bytes,
+JPEG qualities, resized, PNG and JPEG 2000 for a lossless source) to a
+reproducible sample (:func:`choose_sample`) with ingest's own code, and
+measures bytes per image, encode CPU, decode rate on this machine's cores (and
+DALI's GPU decoder when there is one) and PSNR against the source.
+:func:`predict` turns a measurement into the full dataset's epoch over a
+:class:`Link` (link- or decode-bound); :func:`recommend` picks the allowed
+strategy with the shortest predicted epoch. Measuring and predicting are
+separate, so one measurement answers for any link.
 """
 
 from __future__ import annotations
@@ -375,7 +345,32 @@ def _measure_chunk(jobs: Sequence[tuple[str, str | None, bytes | None]], strateg
 
 def measure(jobs: Sequence[tuple[str, str | None, bytes | None]], *, source: str, num_images: int,
             options: AdviseOptions = AdviseOptions()) -> Advice:
-    """Measure every candidate strategy on the sampled ``jobs`` (``(name, path, data)``; see module docs)."""
+    """Measure every candidate strategy on the sampled ``jobs`` (``(name, path, data)``), per strategy:
+
+    * **bytes** per image, the mean over the sample;
+    * **encode** time at ingest: CPU per image of ``validate_bytes`` (decode,
+      check, re-encode), the work ingest spreads over its worker processes;
+    * **CPU decode** rate: CPU per image of a Pillow decode to RGB (what the
+      PyTorch path does per sample), times the usable cores
+      (``client._hardware.usable_cores``): images/s when every core decodes;
+    * **GPU decode** rate, when DALI sees a GPU and torch has CUDA: DALI's
+      ``mixed`` decoder over the encoded sample in batches of 32, images per
+      second of wall time (:func:`dali_decode_rate`); None otherwise
+      (``AdviseOptions(dali="cpu")`` runs the same pipeline on DALI's CPU
+      decoder); bytes DALI cannot decode (GIF) leave the row's rate None with
+      the reason in ``gpu_error``;
+    * **fidelity**: PSNR in dB over the sample's pooled RGB values against the
+      source's pixels as ingest prepares them (:func:`~._validate.prepare_image`:
+      EXIF orientation applied; for a resized strategy the source resized the
+      same way), ``exact`` when every value is equal. Keeping the original bytes
+      is exact by definition.
+
+    A source is ``lossless`` when every sampled image is in a lossless format
+    (PNG, BMP, PPM/PGM, GIF, lossless WebP, TIFF not JPEG-compressed, JPEG 2000:
+    taken as reversible), ``lossy`` when none is, else ``mixed``; PNG and JPEG 2000
+    (``jpeg2000``: lossless; nvJPEG2000 decodes it on GPUs) are candidates
+    unless the source is lossy.
+    """
     from ._hardware import usable_cores
 
     sniffed = [_sniff(name, path, data) for name, path, data in jobs]
@@ -584,7 +579,18 @@ async def advise_dataset(store, dataset: str, options: AdviseOptions = AdviseOpt
 
 
 def predict(m: Measurement, num_images: int, link: Link) -> Prediction:
-    """The full dataset's epoch time over ``link`` (see module docs)."""
+    """The full dataset's epoch time over ``link``.
+
+    :func:`predict` turns a measurement into the epoch time of the full dataset
+    over a :class:`Link`: ``max(N * bytes / bandwidth, N / decode rate)`` plus
+    set-up, ``4 * RTT`` (connection, TLS, the split's id list, the first batch;
+    after that the engine keeps enough requests in flight to hide the RTT), and
+    names the bound, ``link`` or ``decode``. The decode rate is the GPU's when one
+    was measured, else the CPU's. :func:`recommend` picks, among the strategies
+    :class:`Rules` allow, the one with the shortest predicted epoch (within 1%:
+    the fewer bytes). Measuring and predicting are separate, so one measurement
+    answers for any link.
+    """
     link_s = num_images * m.mean_bytes / link.bandwidth
     decode_s = num_images / m.decode_rate
     setup_s = SETUP_RTTS * link.rtt

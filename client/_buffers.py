@@ -1,55 +1,15 @@
 """BufferPool: the arenas samples are received into, used again once free.
 
-A response's records are read by the kernel into an *arena*, a large
-``bytearray`` (``arena`` bytes, 4 MiB by default): one ``recv_into`` carries
-many samples, and each sample's data is a read-only ``memoryview`` slice of
-it (``FrameDecoder`` in ``schema/_wire.py``). A record that does not fit in
-what is left of an arena starts a new one (its few bytes already read are
-copied over); a record larger than ``arena`` gets an arena of its own size.
+A response's records are read by the kernel into an *arena* (a ``bytearray``,
+4 MiB by default), many samples per ``recv_into``; each ``Sample.data`` is a
+read-only ``memoryview`` slice of it. An arena is free again exactly when only
+the pool refers to it; arenas are shared out in regions sized to what a
+response expects, and at most ``spare_bytes`` of free arenas are kept. The
+price: one sample kept by the consumer keeps its whole arena from reuse (copy
+a sample you keep for long: ``bytes(sample.data)``).
 
-A fresh buffer costs more than its allocation: its pages are faulted in on
-first write, and the allocator hands large freed blocks back to the system
-(measured on the dev machine: ~70 us per 110 KB sample when each sample had a
-fresh buffer). So arenas are kept and reused.
-
-Every view of an arena, and every numpy array or memoryview made from one
-(however many hops away), keeps the bytearray referenced: so an arena is free
-exactly when only the pool refers to it (its reference count says so). The
-pool keeps the arenas it lent in a ring and, each time it needs a new arena
-(once per arena, some dozens of samples, not per sample), looks at them oldest
-first up to the first free one: arenas come free about in the order they were
-lent, as batches are handed out, so that is usually the first one looked at.
-A free arena is taken back with whatever room of its own was waiting for
-another response (else an arena whose samples are gone but whose last 100 KB
-no response could use stayed out of reach, and a new one was made). An arena
-is made only when none in the ring is free: looking at only a few let free
-arenas sit unseen while fresh ones were made, each a page fault per 4 KiB
-(measured: fresh arenas were 12% of the client's CPU on loopback); looking at
-every lent arena each time was a walk of the whole ring per new arena, and of
-a growing one while a loader's arenas in use climb (``looked`` counts the
-arenas looked at: ``tests/test_http_receive.py``). The price of arenas:
-one sample kept by the consumer keeps its whole arena (at most ``arena``
-bytes, a few dozen samples' worth) from being reused; copy a sample you keep
-for long (``bytes(sample.data)``).
-
-Arenas are shared out in regions: a response asks for what it expects to
-carry (the ids it asked for times the mean record size, 1/16 more), so the
-room a response holds and has not filled stays near its estimate's error
-(the engine's byte budget counts samples' bytes, not arenas); what it did
-not use goes back (:meth:`BufferPool.give_back`) for the next response. An
-arena's last room is handed out whole even when smaller than asked: the
-response moves on to a new region when it is full (copying the part of the
-one record it was reading), so arenas are filled whole however the
-responses are sized.
-
-Sizes are rounded up to one of 16 steps per power of two, and at most
-``spare_bytes`` of free arenas are kept: more is given back to the allocator.
-An arena is made only when none is free, so the arenas kept (in use or free)
-are never more than were once in use at the same time: keeping free ones
-never raises the peak. On loopback, a loader's arenas swung by more than 64
-MiB within an epoch, and with 64 MiB kept, 120 arenas were given back and 122
-made again over 12 epochs of 1,024 samples (each a page fault per 4 KiB and a
-4 MiB memset); with the default 512 MiB, one made and none given back.
+Why arenas, how the ring is searched, region sizing and what each choice
+measured: ``bench/results/http_receive.md``.
 """
 
 from __future__ import annotations

@@ -1,40 +1,16 @@
 """The HTTP/1.1 client under :class:`~dataferry.client.HttpSource`: a pool of
 keep-alive connections on asyncio's ``BufferedProtocol``.
 
-Why not a general HTTP client: a batch fetch answer is megabytes of samples,
-and a sample's bytes should be copied once, by the kernel, into the buffer
-they stay in. Each :class:`Connection` hands the event loop (uvloop or
-asyncio, plain TCP or TLS) the buffer to read into: inside a body, the free
-room of the decoder's arena region (:meth:`FrameDecoder.sink
-<dataferry.schema._wire.FrameDecoder.sink>`), limited to the current chunk,
-so one read carries many samples, and a chunk's last bytes come with the
-CRLF and size line after it (up to ``FRAMING_READ`` bytes more, copied out);
-otherwise a small bounce buffer, whose bytes are parsed in place (status
-line, headers, and chunk framing a read ended inside of: ``FRAMING_READ``-byte
-reads) and the few body bytes in it copied out. No per-sample task, future,
-buffer or bytes object is made on the way.
-
-What it speaks: requests it writes itself (one at a time per connection, no
-pipelining), answers with ``Content-Length``, ``Transfer-Encoding: chunked``
-(extensions and trailers skipped) or neither (the body ends with the
-connection); ``1xx`` answers skipped; ``Connection: close`` and HTTP/1.0
-honoured. It asks for ``Accept-Encoding: identity``: a compressed answer is a
-malformed one. What it raises, for ``_http.py`` to translate: ``Unreachable``
-(connect failed: refused, DNS, TLS handshake), ``TimeoutError`` (connect, or
-no byte for ``read_timeout`` while an answer is due), ``ConnectionResetError``
-(the connection ended early), ``HttpProtocolError`` (not HTTP/1.1 we can read;
-``NotHttp`` when the peer does not speak HTTP at all, or speaks TLS to an
-``http://`` URL), and the decoder's ``WireFormatError``.
-
-Dead connections are found before they cost a read timeout. Every socket has
-TCP keepalive (``KEEPALIVE``: probes after 10 s idle, every 5 s, 3 lost ones
-end it), which also keeps a NAT's or firewall's idle timer from expiring; a
-pooled connection idle for ``keepalive`` seconds is not reused; and a request
-sent on a connection that idled ``STALE_AFTER`` seconds or more must see its
-answer's first byte within the first-byte deadline (``first_byte_timeout``, or
-4 x the slowest first byte of the last ``FIRST_BYTES`` answers, whichever is
-larger), else it is sent again on a new connection: a middlebox that dropped
-the idle flow without a FIN or RST costs that deadline, not ``read_timeout``.
+A sample's bytes are copied once, by the kernel, into the arena region they
+stay in (``FrameDecoder.sink``); no per-sample task, future or bytes object is
+made. It speaks HTTP/1.1 requests it writes itself (one at a time per
+connection), ``Content-Length``, chunked or connection-delimited bodies, and
+asks for ``identity`` encoding. It raises, for ``_http.py`` to translate:
+``Unreachable`` (connect failed), ``TimeoutError``, ``ConnectionResetError``,
+``HttpProtocolError`` (``NotHttp`` when the peer is not HTTP at all) and the
+decoder's ``WireFormatError``. Dead connections are found by TCP keepalive, an
+idle limit, and a first-byte deadline after a long idle (then sent again on a
+new connection). The details: ``bench/results/http_receive.md``.
 """
 
 from __future__ import annotations

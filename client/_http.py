@@ -1,67 +1,17 @@
 """HttpSource: the data service's client, behind the one-method seam.
 
 ``await HttpSource.open("https://data.example:8470", token=...)`` gives a
-:class:`~dataferry.schema.SampleSource` with the catalog reads the Loader
-uses (``read_split``, ``list_datasets``, ``get_dataset``, ``list_splits``).
+:class:`~dataferry.schema.SampleSource` with the Loader's catalog reads;
 ``fetch`` sends one batch request per call and yields each record as its bytes
-arrive, in the server's completion order; the wire format is in
-``dataferry/schema/_wire.py``.
+arrive, in the server's completion order (the wire format: ``schema/_wire.py``).
+A keep-alive pool (``_conn.py``) carries every request; samples are
+``memoryview`` slices of pooled arenas (``_buffers.py``).
 
-A keep-alive pool of ``HttpOptions.connections`` connections (``_conn.py``:
-HTTP/1.1 on asyncio's ``BufferedProtocol``) carries every request, so the
-engine's window of requests in flight rides on warm connections;
-``preferred_request_size`` ids per request keeps responses few and large
-across a long link. The body is read by the kernel straight into an arena,
-many samples per read, and each ``Sample.data`` is a read-only ``memoryview``
-slice of it: no copy after the socket but for the few bytes that share a read
-with the answer's head or a chunk size line. The arenas come from a
-:class:`~._buffers.BufferPool` and go back to it when nothing refers to them
-any more (one sample kept after its batch keeps its arena: copy it to keep it).
-
-Errors are translated here, at the boundary, and name the service URL.
-What no retry can heal is a :class:`~dataferry.schema.PermanentStoreError`,
-raised at once (the engine never retries one); the rest is retried until
-``Retry.deadline``:
-
-=====================================  ==============================
-connection / server                    raised
-=====================================  ==============================
-refused, reset, disconnected, cut      StoreUnavailable
-certificate not verified (untrusted,   TLSFailed (permanent)
-expired, another host's), TLS refused
-https:// to a plain HTTP port,         ProtocolMismatch (permanent)
-http:// to a TLS port, a peer whose
-answer is not HTTP at all
-TLS cut short (EOF in the handshake)   StoreUnavailable
-malformed HTTP                         StoreUnavailable
-connect/read timeout, 503 store_timeout StoreTimeout
-401, 403                               TokenRefused (an AccessDenied:
-                                       permanent, after one more try
-                                       with a rotated token file)
-404 dataset_not_found/split_not_found  DatasetNotFound / SplitNotFound
-503, other 5xx, corrupt stream         StoreUnavailable / StoreError
-other 4xx                              RequestRejected (server's detail)
-not the service's answer: 502/503/504  StoreUnavailable (a proxy whose
-                                       service is down or restarting)
-not the service's answer: otherwise    RequestRejected, error
-                                       ``not_a_data_service``
-=====================================  ==============================
-
-An answer is the service's when it is a 200 of the expected content type, or
-an error with the service's JSON body (``{"error": ..., "detail": ...}``).
-Anything else (a static file server's HTML 404, a web app's HTML 200) did not
-come from a dataferry data service: the error is one line with what was
-expected, what answered (status, content type) and the URL asked, never the
-page itself.
-
-Store errors but the permanent ones are retryable by the engine;
-``RequestRejected`` is not (the same request would be rejected again). The
-token is sent, never logged or shown. A token file (``token_file=``) is read
-with :func:`dataferry.schema.read_token_file`, the server's reader: the
-client sends the file's first token, and when the service refuses it (401,
-403) reads the file again and sends the first token in it not refused yet,
-once per request; a literal token refused, or a file with nothing new, is
-TokenRefused at once.
+Errors are translated here and name the URL (the table: :class:`HttpSource`).
+What no retry can heal is a ``PermanentStoreError``, raised at once;
+``RequestRejected`` is never retried; the rest is retried until
+``Retry.deadline``. The token is sent, never logged; a token file is read
+again when the service refuses its token.
 """
 
 from __future__ import annotations
@@ -231,7 +181,53 @@ def _ssl_context(options: HttpOptions) -> ssl.SSLContext:
 
 
 class HttpSource:
-    """A data service at ``url``, read over HTTP(S). Open with :meth:`open`."""
+    """A data service at ``url``, read over HTTP(S). Open with :meth:`open`.
+
+    Errors are translated here, at the boundary, and name the service URL.
+    What no retry can heal is a :class:`~dataferry.schema.PermanentStoreError`,
+    raised at once (the engine never retries one); the rest is retried until
+    ``Retry.deadline``:
+
+    =====================================  ==============================
+    connection / server                    raised
+    =====================================  ==============================
+    refused, reset, disconnected, cut      StoreUnavailable
+    certificate not verified (untrusted,   TLSFailed (permanent)
+    expired, another host's), TLS refused
+    https:// to a plain HTTP port,         ProtocolMismatch (permanent)
+    http:// to a TLS port, a peer whose
+    answer is not HTTP at all
+    TLS cut short (EOF in the handshake)   StoreUnavailable
+    malformed HTTP                         StoreUnavailable
+    connect/read timeout, 503 store_timeout StoreTimeout
+    401, 403                               TokenRefused (an AccessDenied:
+                                           permanent, after one more try
+                                           with a rotated token file)
+    404 dataset_not_found/split_not_found  DatasetNotFound / SplitNotFound
+    503, other 5xx, corrupt stream         StoreUnavailable / StoreError
+    other 4xx                              RequestRejected (server's detail)
+    not the service's answer: 502/503/504  StoreUnavailable (a proxy whose
+                                           service is down or restarting)
+    not the service's answer: otherwise    RequestRejected, error
+                                           ``not_a_data_service``
+    =====================================  ==============================
+
+    An answer is the service's when it is a 200 of the expected content type, or
+    an error with the service's JSON body (``{"error": ..., "detail": ...}``).
+    Anything else (a static file server's HTML 404, a web app's HTML 200) did not
+    come from a dataferry data service: the error is one line with what was
+    expected, what answered (status, content type) and the URL asked, never the
+    page itself.
+
+    Store errors but the permanent ones are retryable by the engine;
+    ``RequestRejected`` is not (the same request would be rejected again). The
+    token is sent, never logged or shown. A token file (``token_file=``) is read
+    with :func:`dataferry.schema.read_token_file`, the server's reader: the
+    client sends the file's first token, and when the service refuses it (401,
+    403) reads the file again and sends the first token in it not refused yet,
+    once per request; a literal token refused, or a file with nothing new, is
+    TokenRefused at once.
+    """
 
     def __init__(self, url: str, pool: Pool, options: HttpOptions, token: str | None,
                  token_file: str | None = None) -> None:
