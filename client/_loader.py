@@ -20,17 +20,18 @@ consumer's thread; ``stats()`` merges them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
 import math
 import queue
 import time
 import weakref
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from dataferry.schema import ALL_SPLIT, IdList, SampleSource
-from dataferry.schema import LoopThread
-from dataferry.schema import ConfigError, DataferryError
-from dataferry.schema import content_hash
+from dataferry.schema import (
+    ALL_SPLIT, ConfigError, DataferryError, IdList, LoopThread, SampleSource, content_hash, redact_url,
+)
 
 from ._engine import Run
 from ._retry import describe_source, retrying
@@ -41,6 +42,9 @@ from ._plan import EpochPlan, make_plan, split_digest
 from ._doneset import DoneSet
 from ._attribution import Attributor, Interval
 from ._stats import MAX_IDS, Counters, Stats, Taken, snapshot
+
+if TYPE_CHECKING:
+    from ._http import HttpOptions
 
 __all__ = ["Loader", "LoaderEpoch"]
 
@@ -68,6 +72,27 @@ async def _open_source(source, token_file: str | None = None) -> tuple[SampleSou
     from dataferry.schema import open_store
 
     return await open_store(source, create=False), True
+
+
+def _service_factory(url, *, token: str | None, token_file: str | None, ca_file: str | None,
+                     http: HttpOptions | None):
+    """The data service at ``url`` as an async factory for the engine's loop, with the token
+    (``token`` or ``token_file``), the CA bundle and the options given to the Loader."""
+    given = ", ".join(f"{k}=" for k, v in dict(token=token, token_file=token_file, ca_file=ca_file,
+                                                 http=http).items() if v is not None)
+    if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+        raise ConfigError(f"{given} {'is' if given.count('=') == 1 else 'are'} for a data service URL "
+                          "(http(s)://...); give an HttpSource factory its own")
+    if ca_file is not None and not url.startswith("https://"):
+        raise ConfigError(f"ca_file= verifies an https:// service; {redact_url(url)} is plain HTTP")
+    if token is not None and token_file is not None:
+        raise ConfigError("pass token= or token_file=, not both")
+    from ._http import HttpOptions, HttpSource  # the data service client
+
+    options = http if http is not None else HttpOptions()
+    if ca_file is not None:
+        options = dataclasses.replace(options, ca_file=ca_file)
+    return functools.partial(HttpSource.open, url, token=token, token_file=token_file, options=options)
 
 
 async def _derive(source, dataset: str, where: str, parent: str):
@@ -107,10 +132,13 @@ class Loader:
     a store URL (``sqlite:...``, ``cassandra://...``) or data service URL
     (``http(s)://...``), or an async factory returning a source (for sources
     bound to the engine's event loop); the loader opens the last three on its
-    loop and closes them. ``token_file`` (a data service URL only) holds the
-    bearer token, one a line as the server's own file: the first is sent, and
-    the file is read again when the service refuses it (a rotation); a token
-    refused for good is ``TokenRefused`` at once, never retried.
+    loop and closes them. For a data service URL only: ``token`` is the bearer
+    token, or ``token_file`` holds it, one a line as the server's own file (the
+    first is sent, and the file is read again when the service refuses it: a
+    rotation); a token refused for good is ``TokenRefused`` at once, never
+    retried. ``ca_file`` is the PEM bundle that verifies an ``https://``
+    service's certificate (default: the system's CAs); ``http`` sets the rest
+    of how it is read (:class:`HttpOptions`: connections, timeouts, ``verify``).
     ``where`` (a metadata filter: ``dataferry/schema/_filter.py``) reads the
     derived split of ``split``'s samples that match it, made or reused (same
     filter over unchanged data) on the fly, by the data service or over the
@@ -144,15 +172,18 @@ class Loader:
         errors: ErrorPolicy = ErrorPolicy(),
         epoch: int = 0,
         log_interval: float | None = None,
+        token: str | None = None,
         token_file: str | None = None,
+        ca_file: str | None = None,
+        http: HttpOptions | None = None,
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, not {batch_size}")
         if log_interval is not None and log_interval <= 0:
             raise ConfigError(f"log_interval must be > 0 seconds, not {log_interval}")
-        if token_file is not None and not (isinstance(source, str) and source.startswith(("http://", "https://"))):
-            raise ConfigError("token_file= is for a data service URL (http(s)://...); "
-                              "give an HttpSource factory its own token_file=")
+        service = dict(token=token, token_file=token_file, ca_file=ca_file, http=http)
+        if any(v is not None for v in service.values()):
+            source = _service_factory(source, **service)
         if order not in ("completion", "input"):
             raise ConfigError(f"order must be 'completion' or 'input', not {order!r}")
         if ids is None and hasattr(source, "fetch") and not hasattr(source, "read_split"):
@@ -184,7 +215,7 @@ class Loader:
         self._state: dict = {}
         self._finalizer = weakref.finalize(self, _shutdown, self._lt, self._state)
         try:
-            self._source, owned = self._lt.call(_open_source(source, token_file))
+            self._source, owned = self._lt.call(_open_source(source))
         except BaseException:
             self._finalizer()
             raise
