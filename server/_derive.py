@@ -1,32 +1,16 @@
 """Derived splits over HTTP: ``POST /v1/datasets/{name}/splits`` runs a derive job.
 
-The body is JSON ``{"where": FILTER, "name": NAME?, "from": PARENT?}``. The
-filter is parsed here, before the store is asked anything: a bad one is 400
-``bad_filter`` with its ``position``. The work,
-:func:`dataferry.schema._splits.derive_split` (catalog and metadata only, never
-a sample's bytes), runs as a job of the app (:class:`DeriveJobs`), so that it
-may take longer than any one request:
-
-* a POST starts the job, or joins the one running for the same dataset, split
-  name, filter (canonical form) and parent; the same name with another filter
-  or parent while that runs is 409 ``split_conflict``;
-* without ``Prefer: respond-async`` the POST waits for the job and answers as
-  a derive always did: 200 with the record, or the job's error (409, 404, 503);
-* with ``Prefer: respond-async, wait=N`` it waits at most N seconds (capped by
-  :attr:`JobLimits.max_wait`): the same answers if the job ended by then, else
-  202 with the job's document and its ``Location``,
-  ``/v1/datasets/{name}/split-jobs/{job}``;
-* ``GET`` on that location answers the job's document (``state`` queued,
-  running, done or failed; ``done`` of ``total`` samples' metadata read; the
-  ``record`` once done; ``status``/``error``/``detail`` once failed);
-  ``Prefer: wait=N`` holds the answer until the job ends or N seconds pass.
-  An unknown or forgotten job is 404 ``job_not_found``.
-
-Bounds (:class:`JobLimits`): ``max_running`` jobs run at once (the rest are
-queued), at most ``max_jobs`` are unfinished (a new one beyond is 503
-``busy``), each within ``timeout``; a finished job is forgotten ``keep``
-seconds after it ended, the oldest first beyond ``max_kept``. When the app
-shuts down, unfinished jobs are cancelled before the store closes.
+The body is JSON ``{"where": FILTER, "name": NAME?, "from": PARENT?}``; the
+filter is parsed before the store is asked anything (400 ``bad_filter`` with
+its ``position``). The work (``dataferry.schema.derive_split``: catalog and
+metadata only) runs as a job of the app (:class:`DeriveJobs`): a POST starts
+or joins the job for the same dataset, name, filter and parent (another
+filter: 409 ``split_conflict``); without ``Prefer: respond-async`` it waits
+and answers 200 or the job's error; with ``respond-async, wait=N`` a job still
+running is 202 with ``Location: /v1/datasets/{name}/split-jobs/{job}``, whose
+``GET`` answers the job's document (404 ``job_not_found`` once forgotten).
+Bounds are :class:`JobLimits`; unfinished jobs are cancelled at shutdown.
+The flow in full: README.md, Derived splits as jobs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Errors at the HTTP boundary: every error response is JSON.
-
-``{"error": "<name>", "detail": "<what and why, naming the thing at fault>"}``,
-plus ``dataset``/``split`` on 404s. Handlers raise :func:`http_error`; the
-errors middleware (``_middleware.py``) turns dataferry errors and aiohttp's own
-plain-text HTTP errors into the same shape:
+"""Errors at the HTTP boundary: every error response is JSON, ``{"error": NAME, "detail": WHY}``
+(plus ``dataset``/``split`` on 404s), from :func:`http_error` or the errors middleware:
 
 =========================  ======  ==========================
 raised                     status  error

@@ -1,24 +1,14 @@
 """The server's Prometheus metrics, on ``prometheus-client``.
 
-Each application gets its own ``CollectorRegistry`` (``new_registry``, kept
-under the ``REGISTRY`` app key), never the process-global one, so two apps in
-one process count apart and embedding the app adds nothing to what the host
-process exposes. Beside the service's metrics (:class:`Metrics`) the registry
-holds the process (memory, CPU, file descriptors), GC and platform
-collectors. ``deploy/OPERATIONS.md`` lists every family; a test scrapes the
-real app and holds the two together.
-
-Every label value comes from a fixed set (route templates, status codes, error
-names, store operations), never from the request, so series stay few.
-
-The workers of ``dataferry serve --workers N`` share one set of figures
-(``shared_registry``): prometheus-client's multiprocess mode, in a folder the
-supervising parent creates and removes. Counters and histograms are summed
-over every worker that ever ran (a restarted worker's counts are kept),
-``requests_in_flight`` over the live ones; the process figures are the sums
-over the parent and its live workers (``process_start_time_seconds``: the
-parent's), and the GC counters are the workers' collections summed. The names
-are the same in both modes.
+Each application gets its own ``CollectorRegistry`` (``new_registry``, under
+the ``REGISTRY`` app key), never the process-global one, holding the service's
+:class:`Metrics` and the process, GC and platform collectors. Every label
+value comes from a fixed set (route templates, status codes, error names,
+store operations), never from the request. The workers of ``--workers N``
+share one set of figures (``shared_registry``: prometheus-client's
+multiprocess mode), summed as README.md, Workers, says; the names are the same
+in both modes. ``deploy/OPERATIONS.md`` lists every family, and a test holds
+the two together.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """aiohttp's HTTP layer, held to the service's rules: JSON errors, no echoed bytes.
 
-aiohttp answers some requests before any middleware runs: a request it cannot
-parse (a bad header line, a NUL, a line too long, a body it cannot decode), an
-``Expect`` it does not know. Its answer quotes the offending bytes, header
-line and token included, as ``text/plain``, and its ``aiohttp.server`` log
-line repeats them in a traceback. Three pieces stop that at the root:
-
-* :class:`AccessLogger` (the app's ``access_log_class``): one line per
-  request with the path only, never the query string (it may carry a token);
-* :class:`ProtocolLog` (the app's ``logger`` for aiohttp's connection
-  handler): a failure the client caused is one line naming its kind, never the
-  exception's text; other failures keep their traceback;
-* :class:`Runner`, the ``web.AppRunner`` that ``dataferry serve`` uses: its
-  connections answer aiohttp's own errors with the JSON error body
-  (``_errors.py``) and a detail that names the kind of fault, never its bytes.
-
-``make_app`` installs the first two through ``handler_args``, so any runner
-gets clean logs; the JSON bodies need :class:`Runner`.
+aiohttp answers some requests before any middleware runs (a request it cannot
+parse, an unknown ``Expect``), quoting the offending bytes in its answer and
+its log. :class:`AccessLogger` logs the path only, never the query string (it
+may carry a token); :class:`ProtocolLog` makes a client-caused failure one
+line naming its kind; :class:`Runner`, the ``web.AppRunner`` of ``dataferry
+serve``, answers aiohttp's own errors with the JSON error body
+(``_errors.py``). ``make_app`` installs the first two through
+``handler_args``; the JSON bodies need :class:`Runner`.
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
 """Batch fetch: ``POST /v1/datasets/{name}/samples``, streamed in completion order.
 
-Two tasks per request, joined by a byte-bounded :class:`Outbox`::
-
-    store.fetch(dataset, ids) ──► producer ──► Outbox (≤ buffer_bytes) ──► writer ──► client
-        (results in completion      encodes record       takes what is ready (up to
-         order; the store's next     headers; payloads    write_chunk) and sends it as
-         result within               are never copied     one HTTP chunk: the chunk
-         store_timeout)                                   line, the parts, CRLF, in one
-                                                          transport.writelines; then
-                                                          awaits drain: backpressure
-
-* Per sample the server does no more than it must: one 28-byte header (36 with
-  the stored checksum, passed on unverified: the client checks it end to end), the
-  store's bytes objects passed through to the socket as they are (no join,
-  no copy), counters added once per request, and one store deadline per
-  request pushed forward as results come (``_Watchdog``), not a timer per
-  sample.
-* While the writer waits on a slow client, records pile up in the outbox and
-  leave in one large write; a full outbox pauses the producer, and with it the
-  store's iteration, so a slow client never makes the server buffer unboundedly.
-* The response starts only when the first record is ready: a store that fails
-  before answering anything gets a plain 503 JSON error. Once streaming, a
-  failure ends the stream with an ERROR record (see ``schema/_wire.py``);
-  success ends it with an END record.
+Two tasks per request, joined by a byte-bounded :class:`Outbox`: a producer
+iterates ``store.fetch(dataset, ids)`` (each next result within
+``store_timeout``) and encodes record headers; the writer sends what is ready
+as one HTTP chunk per write and awaits drain, so a slow client pauses the
+producer and the store's iteration: never unbounded buffering. Per sample: one
+header, the store's bytes passed through uncopied, the checksum passed on
+unverified (the client checks it end to end). The response starts at the first
+record (a store that fails first gets a plain 503); later failures end the
+stream with an ERROR record, success with END (``schema/_wire.py``).
+The flow in full: README.md, A batch fetch, end to end.
 """
 
 from __future__ import annotations

@@ -1,36 +1,15 @@
 """``dataferry serve --workers N``: N processes on one port, one supervising parent.
 
-The parent binds the port, forks the workers and does nothing else: it never
-accepts a connection, never opens the store, never starts an event loop. Each
-worker is a whole single-process server (its own event loop, its own store
-connection, the same app) on its own listening socket.
-
-* **One port, N sockets.** With ``SO_REUSEPORT`` (Linux, the BSDs) the parent
-  binds one socket per worker to the same address and the kernel spreads new
-  connections over them evenly by hash; otherwise every worker accepts on one
-  shared socket. So that two servers cannot share a port by mistake
-  (``SO_REUSEPORT`` lets any process of the same user join the group), the
-  port is first bound once without it: a port already taken fails as it does
-  for one worker.
-* **Supervision.** A worker that exits before it served (its store cannot be
-  opened, say) stops the whole server: the others get SIGTERM and the server
-  exits 1. A worker that dies while serving (a crash, the OOM killer, a
-  SIGKILL) is logged with its status and restarted on the same socket (the
-  connections the kernel queued on it wait for the new worker; those the dead
-  one held are cut, and clients retry them); more than
-  :data:`MAX_RESTARTS` deaths within :data:`RESTART_WINDOW` seconds stop the
-  server with exit status 1. The workers are tied to the parent
-  (``PR_SET_PDEATHSIG``): a parent killed with SIGKILL takes them with it, so
-  no orphan keeps serving the port.
-* **Shutdown.** SIGTERM or SIGINT to the parent is passed to every worker as
-  SIGTERM, and the parent closes its copies of the listening sockets (new
-  connections are refused from then on); each worker stops accepting, gives its in-flight responses ``--grace``
-  seconds and closes its store; the parent exits 0 once all have exited 0.
-* **Metrics.** The workers write their counters, histograms and the
-  in-flight gauge to files in a folder the parent creates and removes
-  (prometheus-client's multiprocess mode); ``/metrics`` on any worker reports
-  the sums over all workers, dead ones' counters included, with the process
-  figures summed over the parent and its live workers (``_metrics.py``).
+The parent binds the port (once without ``SO_REUSEPORT``, so a port in use
+fails as for one worker), then one ``SO_REUSEPORT`` socket per worker (or one
+shared socket without it), forks the workers and does nothing else. Each
+worker is a whole single-process server. A worker that fails before serving
+stops the server (exit 1); one that dies while serving is replaced on the same
+socket, up to :data:`MAX_RESTARTS` deaths within :data:`RESTART_WINDOW`
+seconds. SIGTERM/SIGINT to the parent reaches every worker, which finishes its
+responses within ``--grace``; workers die with the parent
+(``PR_SET_PDEATHSIG``). ``/metrics`` sums all workers (``_metrics.py``).
+The rules in full: README.md, Workers.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """``dataferry serve``: run the data service near the store.
 
-``add_cli_arguments(parser)`` fills a subcommand's parser; ``cli(args)`` runs
-it and returns the exit status. Heavy imports (aiohttp, the stores) happen in
-``cli`` only, so ``--help`` stays instant.
-
-The listening socket is bound here, before the app starts, so ``--port 0``
-works: the line ``dataferry serve: listening on http(s)://HOST:PORT`` on
-stdout names the real port. The app runs under :class:`~._protocol.Runner`
-(JSON answers to malformed HTTP too) on uvloop; on SIGTERM or SIGINT the
-server stops accepting, gives in-flight responses ``--grace`` seconds, then
-closes the store. From that line on, the two signals are blocked until the
-loop's handlers are in place: one that comes while the server starts is
-handled then, never the default action (killed).
-
-``--workers N`` (default: the cores this process may use) runs N such
-servers in N processes on the one port, under a supervising parent
-(``_workers.py``); ``--workers 1`` is one process, no parent.
+``add_cli_arguments(parser)`` fills the subcommand's parser and ``cli(args)``
+runs it (the CLI in ``schema/cli/`` loads this module by name); heavy imports
+happen in ``cli`` only. The socket is bound before the app starts, so
+``--port 0`` works: ``dataferry serve: listening on http(s)://HOST:PORT``
+names the real port. The app runs under :class:`~._protocol.Runner` on uvloop;
+SIGTERM or SIGINT stops accepting, gives in-flight responses ``--grace``
+seconds and closes the store (a signal during start-up is held, never fatal).
+``--workers N`` (default: the usable cores) runs N servers on the one port
+under a supervising parent (``_workers.py``); ``--workers 1`` is one process.
 """
 
 from __future__ import annotations
