@@ -1,42 +1,14 @@
 """Live bottleneck attribution: per interval, what limited the pipeline.
 
-Every interval (``Loader(log_interval=...)``, else 10 s) the loader takes a
-:class:`Stats` snapshot, subtracts the previous one (:meth:`Stats.since`) and
-names the limit from that interval's figures alone:
-
-============  =====================================================  ==========================================
-limit         when                                                   evidence in the line
-============  =====================================================  ==========================================
-``consumer``  the training loop waited for data less than            its wait share: data was ready when asked
-              ``STALL`` (10%) of the interval (or asked for none:    for; the model (or your loop) is the limit
-              a step longer than the interval, or a pause)
-``decode``    it waited, and more on the iterator's decode than on   decode wait, decode threads busy, the
-              the loader                                             decode queue (batches decoding / depth)
-``service``   it waited on the loader and requests queue             mean latency against its floor, requests
-              downstream: mean latency ``QUEUEING`` (1.25x) or more  queued, failures
-              above its floor with ``QUEUED`` (1.5) requests' worth
-              waiting, or requests failed
-``link``      it waited on the loader, the window (or the byte       share of the time the window was full,
-              budget) was full and latency sat at its floor: more    latency at its floor
-              requests in flight would go faster
-============  =====================================================  ==========================================
-
-Requests queued is TCP Vegas' estimate, as the engine's window uses it:
-the mean requests in flight (Little's law: the interval's summed latencies
-over its length) times ``1 - floor / mean latency``. Both conditions are
-needed: a latency ratio alone is noise with two requests in flight, and a
-queue estimate alone is jitter with a hundred.
-
-The floor is the lowest request latency seen over the last ``FLOOR_SPAN``
-intervals (the engine's ``min_latency`` per interval): the link's round trip
-plus the service's time for one request when nothing queues. A saturated
-link (bandwidth, not latency) also makes requests queue, so it reads as
-``service``; the line's MB/s against the link's capacity tells the two apart,
-as does the service's ``dataferry_server_store_latency_seconds``.
-
-"Window full" is the engine's own signal: the seconds its dispatcher had
-requests to send but was held back by the window or by the byte budget
-(``Stats.window_full``, ``Stats.budget_full``), whatever sizes the window.
+Every interval (``Loader(log_interval=...)``, else 10 s) the loader takes a :class:`Stats`
+snapshot, subtracts the previous one (:meth:`Stats.since`) and names the limit from that
+interval's figures alone: ``consumer`` (the loop waited less than ``STALL``, 10%),
+``decode`` (it waited more on the iterator's decode than on the loader), ``service`` (it
+waited on the loader and requests queue downstream: mean latency ``QUEUEING`` times its
+floor with ``QUEUED`` requests' worth waiting, or requests failed) or ``link`` (the window
+or byte budget full, latency at its floor). :class:`Attributor` keeps the recent
+:class:`Interval` s. The rules, their evidence and why each needs two conditions:
+client/README.md ("What limited it").
 """
 
 from __future__ import annotations

@@ -1,75 +1,15 @@
 """NVIDIA DALI fed by the Loader: JPEG decode on the GPU (``mixed``) or the CPU.
 
-::
-
-    Loader.get() ─► _Feeder (your thread, inside pipeline.run()) ──────────────┐
-                      headers, crop windows, flips (numpy)                     │ in flight:
-                      │ external_source, batch mode, no_copy                   │ fed, not
-                      ▼                                                        │ yet out
-    DALI:  decoders.image_slice(window) ─► resize ─► crop_mirror_normalize     │
-           (mixed: nvJPEG on device_id; cpu: libjpeg-turbo)   (NCHW float32)   │
-           masks: decoders.image_slice (cpu, GRAY) ─► resize NN ─► flip ─► .gpu()
-                      │                                                        │
-                      ▼                                                        ▼
-           graph(images[, masks]): your own DALI operators, if any             │
-                      │                                                        │
-                      ▼                                                        ▼
-    DaliIterator.__next__ ─► ImageBatch (torch tensors) ◄── ids, labels, multilabel ─► map
-
-**Batches.** The external source runs in batch mode: each call returns the
-loader's next batch, whatever its length, so the loader's partial last batch
-passes through as a short DALI batch (DALI allows any batch up to the
-pipeline's ``batch_size``): nothing is padded, dropped or repeated. When the
-loader's epoch ends, the source raises StopIteration; the iterator drains
-what DALI still holds, raises StopIteration, and resets the pipeline for
-the next epoch.
-
-**Zero copy.** The encoded bytes (and mask PNGs, crop windows and flips) go
-to DALI with ``no_copy=True``. DALI's contract: a buffer must stay alive and
-unchanged until the iteration that consumed it has been output (up to
-``prefetch_queue_depth`` runs after it was fed). The loader's arrays are views
-over immutable ``bytes`` the engine never reuses, and the iterator keeps every
-fed batch in its in-flight queue until ``pipeline.run()`` has returned that
-batch's outputs: that is the lifetime DALI needs, whatever the queue depth
-(DALI 2.4 happens to hold a reference of its own while a batch is queued;
-its documented contract leaves the lifetime to us, so we do not rely on it).
-Those batches are out of the loader's byte budget (it counts a batch as
-released once handed out), so memory holds up to ``Prefetch.max_bytes`` plus
-``decode_depth + 1`` batches of encoded bytes.
-
-**Outputs** reach torch through DLPack without a copy: the pipeline runs
-DALI's dynamic executor (``exec_dynamic=True``), whose outputs are
-reference-counted and never overwritten by later iterations.
-
-**Metadata.** ids, labels and multilabel vectors never enter DALI; they wait
-in the in-flight queue, which DALI's strict FIFO order keeps matched with the
-outputs (the batch lengths are checked).
-
-**Your own operators.** ``DaliIterator(..., graph=f)`` calls ``f`` once,
-inside the pipeline definition, with the stock outputs as DALI data nodes:
-``f(images)``, or ``f(images, masks)`` with ``targets="mask"``; it adds any
-``nvidia.dali.fn`` operators and returns as many outputs, in the same order.
-``images`` are what the stock graph makes: float32 CHW, normalized, with a
-transform; uint8 HWC at their own sizes without one (masks: HW1 uint8),
-on the pipeline's device. Keep the layout, so the outputs convert as the
-stock ones do. For example, a random vertical flip on top of the stock
-augmentation::
-
-    from nvidia.dali import fn
-    DaliIterator(loader, TrainTransform(),
-                 graph=lambda images: fn.flip(images, horizontal=0, vertical=fn.random.coin_flip()))
-
-The epochs, resume (leaving out the batches fed and not yet out), the
-batch type and the ``map`` hook (a Python function on each
-:class:`ImageBatch`, after DALI) are shared with the PyTorch path: see
-``_imagebatch.py``.
-
-**Devices.** ``DaliOptions(device=None)`` picks ``"gpu"`` when DALI sees a
-CUDA device and torch has CUDA, else ``"cpu"``. On several GPUs each rank's
-iterator uses its own ``device_id`` (default: ``torch.cuda.current_device()``,
-which a DDP script sets per rank) and its loader reads its own shard
-(``PlanOptions(rank, world_size)``). DALI is imported when an iterator is
-made, with a clear error if it is missing.
+``DaliIterator(loader, transform, options=DaliOptions(...), targets=, graph=, map=)``: the
+loader's batches go to a DALI pipeline through ``external_source`` (batch mode, ``no_copy``).
+Headers, crop windows and flips are computed first (``_imagebatch.prepare``); DALI decodes
+(nvJPEG ``mixed``, or libjpeg-turbo), crops, resizes and normalizes, runs ``graph`` (your
+DALI operators, if any), and the outputs reach torch through DLPack as an ``ImageBatch``.
+Nothing is padded or dropped here. A fed batch stays alive until its outputs are out (the
+``no_copy`` contract), so memory holds ``Prefetch.max_bytes`` plus ``decode_depth + 1``
+batches of encoded bytes. Epochs, resume and ``map`` are shared with the PyTorch path
+(``_imagebatch.py``). The data flow, the zero-copy lifetime, ``graph`` and the device
+choice: client/README.md ("The DALI path").
 """
 
 from __future__ import annotations

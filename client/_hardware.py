@@ -1,27 +1,12 @@
 """What this process may use: cores, and the GPU's JPEG decoder.
 
-The decode defaults of :class:`~dataferry.client.TorchIterator` and
-:class:`~dataferry.client.DaliIterator` follow the machine instead of fixed
-numbers; explicit options always win.
-
-* **Cores**: the CPUs this process may run on (``sched_getaffinity``, so a
-  container's or ``taskset``'s limit counts), shared evenly by the training
-  processes of one node (``LOCAL_WORLD_SIZE``, which ``torchrun`` sets).
-* **JPEG decoder**: A100/A30 (compute capability 8.0), H100/H200/GH200 (9.x)
-  and B100/B200 (10.x) have hardware JPEG decoders (NVJPG) beside the CUDA
-  cores; DALI sends the share ``hw_decoder_load`` of JPEGs to it and decodes
-  the rest with CUDA plus its CPU threads (the Huffman stage runs on the CPU).
-  On Hopper and later we send nearly all of them (0.99) and give DALI 4
-  threads, from a run on an H100 with 110 KB JPEGs reported in the project's
-  issues (not re-measured in this repository, which holds no GPU results
-  yet): DALI's own default 0.65 left 35% of the images to the hybrid path at
-  about 520 us of CPU each, while 0.99 cost about 110 us per image at the
-  same or better throughput (22k images/s with 4 threads). On a GPU machine
-  ``python -m dataferry.bench.gpu_check --e2e --hw-decoder-load 0.65`` and
-  ``0.99`` compare them. On sm_80 (A100/A30) and on GPUs we have not
-  measured, DALI's default 0.65 stays (its maintainers restored it after
-  profiling on A100-class training: NVIDIA/DALI#6366). GPUs without a
-  hardware decoder ignore the share.
+The decode defaults of ``TorchIterator`` and ``DaliIterator`` follow the machine instead
+of fixed numbers; explicit options always win. Cores: the CPUs this process may run on
+(``sched_getaffinity``), shared evenly by the node's training processes
+(``LOCAL_WORLD_SIZE``). The JPEG decoder: on a GPU with a hardware decoder (NVJPG) DALI
+sends it the share ``hw_decoder_load``: 0.99 with 4 DALI threads on Hopper and later,
+DALI's 0.65 elsewhere. Why, and the command that compares the two: client/README.md
+("Decode defaults").
 """
 
 from __future__ import annotations

@@ -1,34 +1,14 @@
-"""What the PyTorch and the DALI iterators share: the batch type, the work
-before decoding, epochs, resume and the ``map`` hook.
+"""What the PyTorch and the DALI iterators share: the batch type, the work before
+decoding, epochs, resume and the ``map`` hook; neither iterator imports the other.
 
-::
-
-    Loader.get() ─► prepare(): headers, crop windows, flips, targets checked
-          │                      (this thread, numpy; windows from _transforms.py)
-          ▼
-    a decoder (_torch.py: Pillow in threads; _dali.py: a DALI pipeline)
-          │          the batches it holds are *in flight*
-          ▼
-    ImageIterator._deliver() ─► ImageBatch (torch tensors) ─► map(batch) ─► you
-
-Both iterators are an :class:`ImageIterator`, and neither imports the other.
-
-**Epochs** follow the loader: ``for batch in it`` runs to the end of the
-loader's current epoch, the next ``for`` runs the next one. The last batch is
-as short as the loader's: nothing is padded, dropped or repeated here.
-
-**Resume.** Batches taken from the loader and not yet handed to the consumer
-are in flight; :meth:`ImageIterator.state_dict` leaves them out (the loader's
-own state would count them), so a resume delivers them again.
-
-**map**: a plain function from :class:`ImageBatch` to :class:`ImageBatch`,
-called on every batch as it is handed out, in the consumer's thread, after
-decode, transform and targets. It composes as functions do
-(``map=lambda b: g(f(b))``). A batch counts as delivered once decoded, so a
-batch whose ``map`` raised is not delivered again on resume; the exception
-propagates unchanged, with a note naming the batch.
-
-torch is imported when an iterator is made, never by ``import dataferry.client``.
+:func:`prepare` reads headers, draws crop windows and checks targets in the consumer's
+thread (numpy) before either decoder. The batches a decoder holds are *in flight*:
+:meth:`ImageIterator.state_dict` leaves them out, so a resume delivers them again. Epochs
+follow the loader; the last batch is as short as the loader's. ``map`` (ImageBatch ->
+ImageBatch) runs on every batch as it is handed out, in the consumer's thread; a batch
+counts as delivered once decoded. :class:`Undecodable` is the ``ErrorPolicy`` for a sample
+that fails to decode. torch is imported when an iterator is made, never by ``import
+dataferry.client``. The flow: client/README.md ("What both iterators share").
 """
 
 from __future__ import annotations

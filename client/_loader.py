@@ -11,10 +11,9 @@ abandons the rest of it, as torch does. After ``load_state_dict()`` the next
 ``iter()`` delivers exactly the rest of the saved epoch. ``loader.get()``
 reads the running epoch directly (StopIteration at its end, then the next).
 
-The engine prefetches the next epoch while the current one finishes, so the
-link does not drain at epoch boundaries. Options are read-only: a new option
-means a new Loader. Counters have one writer each: the engine's loop, or the
-consumer's thread; ``stats()`` merges them.
+The engine prefetches the next epoch while the current one finishes. Options
+are read-only: a new option means a new Loader. ``stats()`` merges the
+engine's figures and the consumer's (``_stats.py``).
 """
 
 from __future__ import annotations

@@ -1,38 +1,14 @@
 """Image transforms shared by the DALI and the PyTorch paths, and the target encodings.
 
-A transform is a frozen option object; the work is plain functions. Both
-paths do the same three steps, so they agree to within resampling error:
-
-1. :func:`crop_windows`: a crop window ``(x, y, w, h)`` in source pixels and a
-   flip bit per sample, computed here, in numpy, for a whole batch at once,
-   from the images' sizes (read from their headers by :func:`image_size`).
-   The randomness is a hash of ``(seed, epoch, sample id)``: a sample's
-   augmentation does not depend on which batch it landed in, on completion
-   order, on the thread that decodes it, or on the path;
-2. the window is decoded (DALI: ROI decode) and resized to ``size x size``
-   (bilinear, antialiased; masks nearest);
-3. flipped, and normalized to float32 ``(x / 255 - mean) / std``, NCHW.
-
-:class:`TrainTransform` draws windows as torchvision's ``RandomResizedCrop``
-does (area fraction ``scale``, log-uniform aspect ``ratio``, ten tries, then
-a centred fallback). :class:`EvalTransform` takes the window that "resize the
-short side to ``resize``, centre-crop ``size``" would keep, and resizes it
-once (one resampling instead of two; the same pixels to within rounding).
-``transform=None`` means decode only: images come out at their own sizes.
-
-Targets (``TargetKind``), one kind per iterator:
-
-* ``"none"``: targets are ignored;
-* ``"mask"``: the target blob is a **single-channel 8-bit PNG** (colour type
-  0) or lossless JPEG 2000 (JP2, ``encode_mask(m, "jpeg2000")``), pixel = class index, the same height and width as its image
-  (:func:`dataferry.schema.encode_mask` makes one). It is cropped, resized (nearest) and flipped
-  with its image and comes out as ``uint8 [N, size, size]``. Palette PNGs are
-  refused: DALI would expand the palette to colours, not indices;
-* ``"multilabel"``: the target blob is a little-endian float32 vector of
-  ``num_classes`` values (:func:`dataferry.schema.encode_multilabel`), 0/1 or soft; it comes
-  out as ``float32 [N, num_classes]``.
-
-EXIF orientation is ignored on both paths (as Pillow and torchvision do).
+A transform is a frozen option object (:class:`TrainTransform`, :class:`EvalTransform`, or
+None: decode only); the work is plain functions, the same three steps on both paths, so
+they agree to within resampling error: :func:`crop_windows` draws a crop window and a flip
+bit per sample from the images' header sizes, keyed by ``(seed, epoch, sample id)``; the
+window is decoded and resized to ``size x size``; then flipped and normalized to float32
+NCHW. Targets (``TargetKind``): ``"none"``, ``"mask"`` (a single-channel 8-bit PNG or
+lossless JP2 of class indices, cropped with its image) or ``"multilabel"`` (a float32
+vector). The windows, the encodings and what is refused: client/README.md ("Transforms
+and targets").
 """
 
 from __future__ import annotations
