@@ -1,32 +1,15 @@
 """CassandraStore: the store on Apache Cassandra (2.2 to 5.0; tested on 5.0) and ScyllaDB.
 
-One prepared statement per request, one partition per sample, so every read
-is a single-partition lookup routed to a replica (token-aware). Sample reads
-(``_HOT``) take the hot path (``_cqlfast.HotReads``: the driver's pool
-connections without its per-request ``ResponseFuture``, a small row decoder,
-one loop timer for every deadline, a stalled replica passed over, a hedge or
-a timed-out read sent to another replica); what it cannot send or that gets
-anything but rows goes again through ``Session.execute_async``, as every
-other request does. The driver's IO thread appends each answer to one queue
-and wakes the event loop only when the queue was idle, and the loop settles
-every queued answer in one go. An ``asyncio.Semaphore`` of
-``opts.concurrency`` bounds the requests in flight, reads and writes
-together, however many ids a bulk operation is given.
-
-Every request runs at one consistency: the URL's, or
-:func:`default_consistency` from the keyspace's replication (LOCAL_QUORUM
-with 3 replicas or more, else ONE). Writes are single statements that name
-only the columns they set (no null binds: a tombstone each).
-
-Opening costs the connection set-up (``_cqlconnect.open_cluster``): the first
-pool connection prepares the read path's statements (``_EAGER``) and reads
-the keyspace's replication while the control connection is still being set
-up, which also tells a missing keyspace or table. Every other statement is
-prepared on its first use. The keyspace's metadata (for token-aware routing)
-is loaded in the background; until it is there, requests go round robin.
-
-``close()`` stops issuing, lets the requests still in flight answer (at most
-``_CLOSE_GRACE_S``), then shuts the cluster down off the loop and awaits it.
+One prepared statement per request, one partition per sample: every read is a
+token-aware single-partition lookup. Sample reads take the hot path
+(``_cqlfast.HotReads``); everything else goes through ``execute_async``, with
+answers crossing to the event loop once per burst. ``opts.concurrency``
+bounds the requests in flight. Every request runs at one consistency (the
+URL's, or :func:`default_consistency`: LOCAL_QUORUM with 3+ replicas, else
+ONE); writes name only the columns they set. Opening prepares the read path
+on the first pool connection during set-up (``_cqlconnect.open_cluster``);
+``close()`` lets requests in flight answer (at most ``_CLOSE_GRACE_S``), then
+shuts the cluster down. In detail: README.md, The Cassandra path.
 """
 
 from __future__ import annotations

@@ -4,27 +4,11 @@ Shared by the store (``_cassandra.py``) and ``schema apply`` (``_ddl.py``).
 Contract: :func:`open_cluster` returns a connected ``Cluster`` speaking native
 protocol v4 (Cassandra 2.2 to 5.0, ScyllaDB), or raises StoreUnavailable
 naming the hosts; :func:`shutdown` ends it with nothing left running;
-:func:`translate` maps a driver error to the dataferry error tree.
-
-What differs from a plain ``Cluster``:
-
-* protocol v4, always named: v5 (Cassandra 4+) adds nothing this uses, and
-  cassandra-driver 3.x's v5 segment reader loses a segment header split across
-  two socket reads (the connection goes defunct, the host down). Named, there
-  is nothing to negotiate: a connection sends STARTUP without OPTIONS (the
-  control connection sends OPTIONS beside it, to tell ScyllaDB, which has no
-  ``system.peers_v2``), and the control connection's REGISTER goes out with
-  its peers and local queries;
-* one pool connection per contact point is opened beside the control
-  connection, and the first prepares the caller's statements and asks its
-  queries while the control connection is still being set up (:class:`_Warm`);
-* schema metadata is off; the store loads its keyspace for token-aware routing;
-* token-aware routing is skipped while the cluster has a single node;
-* reads: the connection reads the socket 256 KiB at a time into one buffer
-  and hands each whole frame to the driver (:func:`_frame_reader`), in place
-  for the hot path's decoder (``_cqlfast.py``);
-* the libev IO loop stops its timer once no timer is pending
-  (:func:`_mend_libev_timer`), so it ends with the last connection.
+:func:`translate` maps a driver error to the dataferry error tree. It differs
+from a plain ``Cluster`` in protocol v4 always named, fewer set-up round trips
+(:class:`_Warm`), no schema metadata, whole frames read in place
+(:func:`_frame_reader`) and a libev loop that ends with its last connection
+(:func:`_mend_libev_timer`). Why each: README.md, The Cassandra path.
 """
 
 from __future__ import annotations

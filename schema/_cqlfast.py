@@ -1,38 +1,14 @@
 """The hot read path: single-row reads sent on the driver's connections, without ``ResponseFuture``.
 
-``Session.execute_async`` builds, per request, a ``ResponseFuture`` (a
-``threading.Event`` with its ``Condition``, a timer on the IO loop, a lock and
-a callback list) and decodes the answer with the driver's generic row parser;
-on the CQL path that was most of the client's CPU per sample (``python -m dataferry.bench.cql_path``). Here a read:
-
-* is bound, routed (the profile's load-balancing policy: token-aware, then
-  :meth:`HotReads._choose`: past a stalled replica, and a hedge to another
-  replica) and encoded by the driver as before, on a connection borrowed from
-  the driver's pool for that host, with a stream id the pool hands out;
-* is answered through a decoder of our own (:func:`decode_rows`): a RESULT of
-  kind Rows whose columns are all ``int``, ``bigint`` or ``blob`` becomes a
-  list of tuples, read with a ``struct`` call per cell from a view of the
-  connection's read buffer (``_cqlconnect._frame_reader``), so a blob is
-  copied once after the socket; anything else (an
-  error, a warning or tracing flag, a page, a column of another type, a
-  body it cannot read) is decoded by the driver's own decoder;
-* times out on the event loop: one timer for all the reads in flight (they
-  share a deadline length, so the oldest is always next), not one per read on
-  the driver's loop; a read that timed out gives its stream id up as the
-  driver does (orphaned until the late answer arrives) and goes once more, to
-  another replica.
-
-What this path does not do, it hands back: a read it cannot send (no pool for
-the host, a connection at capacity or busy, a shut-down session) and a read
-that got anything but rows (an error from the server, a connection lost) go
-again through ``Session.execute_async``, which retries, tries the next host,
-re-prepares on UNPREPARED and raises what the store translates. Reads are
-idempotent, so the driver's attempt after ours is safe. Writes never take
-this path.
-
-Protocol-version dependent here: only the RESULT Rows metadata flags read by
-:func:`decode_rows` (protocol v4; ``tests/test_cql_fast.py`` checks them
-against the driver's own decoder).
+A read is bound, routed (token-aware, then :meth:`HotReads._choose`: past a
+stalled replica, a hedge to another) and encoded by the driver, sent on a
+connection borrowed from its pool, and answered through :func:`decode_rows`
+(RESULT rows of ``int``/``bigint``/``blob`` columns, read in place; anything
+else by the driver's decoder). One loop timer serves every deadline; a read
+that timed out goes once more, to another replica. What it cannot send, or
+that gets anything but rows, goes again through ``Session.execute_async``.
+Reads only; protocol v4's Rows metadata flags (``tests/test_cql_fast.py``).
+Why, and what it saves: README.md, The Cassandra path; ``bench/results/cql_path.md``.
 """
 
 from __future__ import annotations

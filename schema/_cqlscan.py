@@ -2,31 +2,12 @@
 
 :func:`meta_pages` is ``CassandraStore.scan_meta``: it yields lists of
 :class:`~dataferry.schema.SampleMeta` for the ids among ``ids`` that have a
-``sample_meta`` row in ``dataset``, each id once, in no particular order; an
-id without metadata never appears. Fields not in ``fields`` (the columns a
-filter reads, see :func:`meta_columns`) are None (``tags``: empty);
-``fields=None`` reads them all. Which way it reads:
-
-* **token-range scan** when ``ids`` are many next to the keyspace's metadata
-  rows (``len(ids) * per_id_cost >= rows``): the ring is cut into
-  ``ScanOptions.ranges`` ranges along the nodes' own token boundaries, each
-  read with ``SELECT id, <columns> FROM ks.sample_meta WHERE token(dataset, id)
-  > ? AND token(dataset, id) <= ? AND dataset = ? ALLOW FILTERING`` (the
-  ``dataset`` test runs on the replica: a range holds every dataset's rows; a
-  server that refuses it sends every row back, tested here), ``page_size``
-  rows a page, ``concurrency`` ranges at once, each sent to one of
-  its replicas (in turn, so the nodes share the work). A range's next page is
-  asked for before its current page is handed on, and no sooner: memory is
-  bounded by ``concurrency x 2`` pages, whatever the table holds. A page that
-  fails is asked again from where it stopped (its paging state), on the range's
-  next replica, up to ``retries`` times;
-* **reads by id** otherwise (a small parent split in a big keyspace):
-  ``read_meta`` of ``by_id_chunk`` ids, ``by_id_chunks`` chunks at once.
-
-Every request runs at the store's consistency (its default execution
-profile). Answers cross from the driver's IO thread to the loop with
-``call_soon_threadsafe``. Errors are translated by the store's ``error``.
-Measurements and what was tried: ``bench/results/filter_scan.md``.
+``sample_meta`` row, each once, in no particular order, with the columns in
+``fields`` (None: all). Many ids next to the keyspace's rows: token-range
+scans along the nodes' boundaries, ``concurrency`` ranges at once, memory
+bounded by ``concurrency x 2`` pages, a failed page asked again from its
+paging state; few ids: reads by id in chunks. In detail: README.md, The
+Cassandra path; measurements: ``bench/results/filter_scan.md``.
 """
 
 from __future__ import annotations

@@ -1,44 +1,14 @@
 """Metadata filters: ``width >= 256 and label_name in ("cat", "dog")``.
 
-A filter is parsed by a tokenizer and a recursive-descent parser into a small
-AST (never evaluated as code), then compiled into a predicate over a sample's
-:class:`~dataferry.schema.SampleMeta`. The same predicate runs on every
-backend, so a filter selects the same ids from SQLite, Cassandra and the data
-service (``_splits.derive_split`` reads the metadata and applies it).
-
-The language (keywords are case-insensitive, field names are not)::
-
-    expr     := term ("or" term)*
-    term     := factor ("and" factor)*
-    factor   := "not" factor | "(" expr ")" | test
-    test     := FIELD op value                      width >= 256
-              | value op FIELD [op value]           256 <= width <= 1024
-              | FIELD ["not"] "in" "(" value, ... ")"   format in ("JPEG", "PNG")
-              | FIELD ["not"] "between" value "and" value   (both ends included)
-              | FIELD ["not"] "glob" STRING          path glob "cats/**/*.jpg"
-              | FIELD "exists"                       tags.source exists
-    op       := "=" | "==" | "!=" | "<>" | "<" | "<=" | ">" | ">="
-    value    := NUMBER | STRING                     42, -1.5, "cat", 'it''s' or "it\\"s"
-
-Fields: ``id``, ``label`` (the class index), ``width``, ``height``, ``size``
-(stored bytes; ``bytes`` is the same) are numbers; ``label_name`` (the class
-name), ``format`` (``JPEG``, ``PNG``, ...; compared case-insensitively),
-``path`` (relative to the dataset root, ``/``-separated) and ``tags.KEY`` (a
-manifest's extra columns; ``tags."any key"`` for other keys) are text. Text
-compares by code point. A tag a sample does not have is *missing*: every test
-on it is false except ``!=``, ``not in``, ``not between`` and ``not glob``
-(each the ``not`` of the positive test).
-
-Globs match the whole string: ``*`` any run of characters without ``/``,
-``**`` as a whole segment any number of segments (``a/**/b`` matches ``a/b``
-and ``a/x/y/b``), ``?`` one character but ``/``, ``[abc]``, ``[a-z]``,
-``[!abc]`` one character of (not of) a set. No regular expressions: matching
-is linear in the path, whatever the pattern (the data service runs filters
-sent by clients).
-
-A bad filter raises :class:`FilterError` (a ``ConfigError``), one line:
-``filter: <reason> at position N`` (1-based, in characters); ``caret`` draws
-the filter with a ``^`` under the position.
+A filter is tokenized and parsed by recursive descent into a small AST (never
+evaluated as code), then compiled into a predicate over a sample's
+:class:`~dataferry.schema.SampleMeta`; the same predicate runs for every
+backend, so a filter selects the same ids everywhere. Fields: ``id``,
+``label``, ``width``, ``height``, ``size``, ``label_name``, ``format``,
+``path``, ``tags.KEY``; tests: comparisons, ``in``, ``between``, ``glob``
+(linear in the path: no regular expressions), ``exists``, with ``and``,
+``or``, ``not``. A bad filter raises :class:`FilterError` naming the position.
+The grammar and its rules in full: README.md, The filter language.
 """
 
 from __future__ import annotations

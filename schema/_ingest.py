@@ -1,21 +1,14 @@
 """Ingest: a folder or manifest of images in, committed samples out.
 
-::
-
-    scan ──► ids ──► store.existing (batches) ──► validate (process pool, chunks)
-                                                        │ bounded
-                                                        ▼
-                  put_dataset ◄── all split ◄── store.put_samples (batches in flight)
-
-Memory stays bounded: a few validation chunks and a few write batches are in
-flight at once, never the dataset. A sample is committed by its batch's
-``put_samples``; the ``all`` split and the dataset row are written at the end,
-merged with what was already there. So a re-run skips what is committed
-(writing nothing when nothing is new) and finishes an interrupted ingest.
-Bad files are reported with a reason and never written; they do not stop the
-others. A source with no images at all is refused before anything is written.
-A failed write (a full disk) stops the ingest with the store's error; the
-batches committed before it are kept and the next run skips them.
+``scan -> ids -> store.existing -> validate (process pool) -> store.put_samples
+-> the all split and the dataset row``. Memory stays bounded: a few
+validation chunks and write batches in flight, never the dataset. A sample is
+committed by its batch's ``put_samples``; the ``all`` split and the dataset
+row are written at the end, merged with what was there, so a re-run skips
+what is committed and finishes an interrupted ingest. Bad files are reported
+with a reason and never written; a source with no images is refused before
+anything is written; a failed write (a full disk) stops the ingest, keeping
+the batches committed before it.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """Sources for ingest: an ImageFolder tree or a CSV/JSONL manifest.
 
 :func:`scan` turns a path into a :class:`Source`: the image files to ingest,
-in a deterministic order, with their labels, plus the files it skipped.
-
-* **ImageFolder** (a directory): one subfolder per class, searched
-  recursively. Class names are the subfolder names in Unicode NFC, sorted by
-  code point and numbered ``0..n-1``, so every machine agrees on them.
-* **Manifest** (a ``.csv``, ``.jsonl`` or ``.ndjson`` file): a ``path`` column
-  (relative to the manifest's folder, or absolute), a ``label`` column (a class
-  name; the classes are the sorted set of names), an optional ``target``
-  column (the path of a blob stored raw next to the image: a segmentation
-  mask, a multilabel file) and any other columns, kept as string ``tags``.
-
-Files whose extension is not an image extension, and hidden files, are
-*skipped* (counted, never ingested): ``README.txt``, ``.DS_Store``,
-``Thumbs.db``. Whether an image file really is an image is decided later by
-:mod:`._validate`. Nothing here opens an image.
+in a deterministic order, with their labels, plus the files it skipped. An
+**ImageFolder** has one subfolder per class (searched recursively; class names
+in Unicode NFC, sorted by code point, numbered ``0..n-1``). A **manifest**
+(``.csv``, ``.jsonl``, ``.ndjson``) has a ``path`` column (relative to the
+manifest), a ``label`` column (a class name), an optional ``target`` column (a
+mask or multilabel blob) and any other columns, kept as ``tags``. Non-image
+extensions and hidden files are skipped and counted; nothing here opens an
+image (``_validate.py`` decides whether a file is one).
 """
 
 from __future__ import annotations

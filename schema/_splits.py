@@ -1,19 +1,16 @@
 """Train/val/test splits of a dataset's id list.
 
-:func:`make_splits` is deterministic (same ids, ratios, seed: same splits,
-whatever order the ids come in), disjoint and covering (every id lands in
-exactly one split). Counts come from the largest-remainder method, so each is
-within one of ``n * ratio``; with ``stratify`` that holds within every label,
-and the leftovers are spread so that rare labels do not all land in the first
-split. Each split lists its ids sorted.
+:func:`make_splits` is deterministic (same ids, ratios, seed: same splits, in
+any input order), disjoint and covering. Counts come from the
+largest-remainder method, each within one of ``n * ratio``; with ``stratify``
+that holds within every label, leftovers spread so rare labels do not all land
+in the first split. Each split lists its ids sorted.
 
 :func:`derive_split` keeps the samples of a split whose metadata match a
-filter. It reads the metadata through one seam every store implements,
-``store.scan_meta(dataset, ids, *, fields)``: pages of ``SampleMeta`` for the
-ids that have metadata, each once, in any order, with at least the fields the
-filter reads (:func:`filter_fields`). Each backend reads its fastest way
-(SQLite by id; Cassandra by token-range scans or by id, ``_cqlscan.py``); the
-selection is the same everywhere: the parent's ids whose metadata match.
+filter, reading it through ``store.scan_meta(dataset, ids, *, fields)``, which
+each backend implements its fastest way (SQLite by id; Cassandra by
+token-range scans or by id, ``_cqlscan.py``); the selection is the same
+everywhere.
 """
 
 from __future__ import annotations

@@ -4,17 +4,9 @@ Reads run on a small pool of threads (``readers``, default 1), each with its
 own connection (WAL lets readers run while a writer commits, also from other
 processes). Writes run on one writer thread, one transaction per call, so a
 batch of samples is either all committed or not at all; a failed write (a full
-disk) is rolled back and named. Tables mirror ``cassandra.cql``.
-
-Memory: a fetched sample's bytes are allocated by the reader thread that read
-them, and glibc gives each thread its own malloc arena, which keeps its
-high-water mark resident after the consumer frees the bytes. With N readers a
-loader reading the store directly holds up to N arenas' worth of freed blobs
-outside its byte budget (measured at a 32 MiB budget: about 3 MiB per reader
-beyond the first, 6 MiB at 64 MiB). One reader is also the fastest on data in
-the OS page cache (the copy into Python holds the GIL); more readers overlap
-disk reads of data that is not, at that memory cost. Each reader connection's
-page cache is kept small (see ``_READER_CACHE_KIB``).
+disk) is rolled back and named. Tables mirror ``cassandra.cql``. Each reader
+thread costs memory outside a loader's byte budget (its malloc arena) and its
+page cache is kept small (``_READER_CACHE_KIB``): README.md, Memory.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """The store seam: what every backend implements.
 
-Reading is one method, :meth:`SampleSource.fetch`. The client engine, the
-server and the tests are written against it; Cassandra, SQLite, the HTTP client
-and the in-memory source all implement it. A :class:`Store` adds the catalog
-(datasets, splits) and the write side used by ingest.
-
-Semantics every backend keeps (the parametrized tests in ``tests/`` pin them):
-
-* ``fetch`` issues its reads concurrently, up to the backend's concurrency
-  limit, and yields results **in completion order**. Each requested id yields
-  exactly once: a :class:`~dataferry.schema.Sample`, or a
-  :class:`~dataferry.schema.SampleNotFound` *instance* for an unknown id. A
-  failure of the store itself (connection lost, timeout) is *raised*; the
-  caller may retry the ids that have not been yielded yet.
-* A sample is committed when its metadata row exists: ingest writes the sample
-  row first and the metadata row last, so an interrupted ingest leaves no
-  sample that :meth:`Store.existing` reports.
-* The reserved split ``all`` lists every committed sample of a dataset; ingest
-  maintains it together with the dataset row.
+Reading is one method, :meth:`SampleSource.fetch`, which the engine, the
+server and the tests are written against (Cassandra, SQLite, the HTTP client
+and the in-memory source implement it); a :class:`Store` adds the catalog and
+the write side ingest uses. Every backend keeps (the parametrized tests pin
+it): ``fetch`` reads concurrently and yields each requested id once, in
+completion order, a ``Sample`` or a ``SampleNotFound`` *instance*; a failure of
+the store itself is raised (the caller may retry the ids not yet yielded). A
+sample is committed when its metadata row exists (written last), and the
+reserved split ``all`` lists every committed sample.
 """
 
 from __future__ import annotations

@@ -1,48 +1,15 @@
 """The data service's wire format, shared by the server and :class:`HttpSource`.
 
-Everything is little-endian. Three payloads:
-
-**Batch fetch request** (``POST /v1/datasets/{name}/samples``,
-``Content-Type: application/octet-stream``): the sample ids as int64, 8 bytes
-each, no header. (``application/json`` ``{"ids": [...]}`` is accepted too.)
-
-**Batch fetch response** (``application/x-dataferry-frames``): records in the
-order the store completes them, each a 28-byte header, then the target bytes,
-then the data bytes::
-
-    offset size field
-    0      2    magic b"DF"
-    2      1    version (1)
-    3      1    kind: 0 SAMPLE, 1 NOT_FOUND, 2 ERROR, 3 END
-    4      1    flags: bit 0 set = the sample has a target (which may be empty)
-    5      3    zero
-    8      8    id, int64
-    16     4    label, int32
-    20     4    target length, uint32
-    24     4    data length, uint32
-
-* ``SAMPLE``: one sample. ``NOT_FOUND``: the id is not in the dataset
-  (lengths 0).
-* Version 2 (only where the request asked for it with ``Accept:
-  application/x-dataferry-frames; version=2``, so a client that predates it
-  never sees one): a ``SAMPLE`` record whose header is followed by 8 more
-  bytes, the checksum the store keeps with the sample (int64, XXH3-64 of the
-  data, :func:`~dataferry.schema.sample_checksum`), then the target and the
-  data as in version 1. A sample the store has no checksum for goes as a
-  version 1 record, and so do the other kinds. The server passes the stored
-  checksum on and the client verifies it: the check covers the store, the
-  server and the link end to end.
-* ``ERROR``: the store failed mid-stream; the data is UTF-8 JSON
-  ``{"error": ..., "detail": ...}``; it is the last record. Ids not answered
-  before it were not served.
-* ``END``: the last record of a complete response; ``id`` is the number of
-  SAMPLE and NOT_FOUND records before it. A response with neither ERROR nor
-  END at its end was cut.
-
-**Split id list** (``GET /v1/datasets/{name}/splits/{split}``,
-``application/x-dataferry-idlist``): a 16-byte header ``b"DFIL"``, version
-(uint8, 1), 3 zero bytes, count (uint64); then ``count`` int64 ids; then
-``count`` int32 labels. ``Content-Length`` is always ``16 + 12 * count``.
+Little-endian throughout. A batch fetch request is the ids as int64 (or JSON
+``{"ids": [...]}``); its response (``application/x-dataferry-frames``) is
+records in the store's completion order, each a 28-byte header (magic
+``b"DF"``, version, kind SAMPLE / NOT_FOUND / ERROR / END, flags, id, label,
+target and data lengths) then the target and data bytes; version 2 records
+(only when the request asked for them) carry the stored XXH3-64 checksum. An
+ERROR record ends a failed stream, an END record (counting the records before
+it) a complete one. A split id list is a 16-byte ``b"DFIL"`` header, the ids
+(int64), then the labels (int32). Malformed bytes raise ``WireFormatError``.
+The layout byte by byte: README.md, The wire format.
 """
 
 from __future__ import annotations
