@@ -22,7 +22,7 @@ PUBLIC = {
         "DaliIterator", "DaliOptions", "TorchIterator", "ImageBatch", "TrainTransform", "EvalTransform",
         "TargetKind",
     ],
-    "dataferry.server": ["ServerOptions", "make_app"],
+    "dataferry.server": ["ServerOptions", "make_app", "Runner"],
 }
 
 
