@@ -28,7 +28,7 @@ from ._doneset import DoneSet
 from ._epoch import _Epoch, _Req
 from ._options import ErrorPolicy, Hedge, Prefetch, Retry
 from ._plan import EpochPlan
-from ._retry import describe_source, retryable
+from ._retry import Breaker, describe_source, retryable
 from ._stats import Counters
 from ._tuner import Link, quantile
 from ._types import SampleFailed
@@ -102,11 +102,7 @@ class Run:
         self._store = describe_source(source)
         #: (epoch, position) -> id of a sample skipped as corrupt; taken by the consumer's thread
         self.corrupt_skips: dict[tuple[int, int], int] = {}
-        # the circuit breaker: failed requests in a row, since when, the next probe
-        self._fails_in_row = 0
-        self._down_since: float | None = None
-        self._probes = 0
-        self._probe_at = 0.0
+        self._breaker = Breaker(retry, self._store, self._rand)
 
     # --- called from the consumer's thread via call_soon_threadsafe ----------
     def release(self, nbytes: int) -> None:
@@ -235,7 +231,7 @@ class Run:
     def _dispatch(self, now: float) -> float:
         """Send what may go now, the current epoch first; return when to look
         again (inf: at the next event, an answer or a release)."""
-        if self._fails_in_row >= self.retry.breaker_after:
+        if self._breaker.open:
             return self._probe(now)
         cur = self.current
         wake = _INF
@@ -281,8 +277,8 @@ class Run:
         """Breaker open: one request at a time, spaced by the backoff."""
         if self._active:
             return _INF  # the probe (or a request sent before the breaker opened) is out
-        if now < self._probe_at:
-            return self._probe_at
+        if now < self._breaker.probe_at:
+            return self._breaker.probe_at
         for ep in (self.current, self.ahead):
             if ep is None or ep.finished:
                 continue
@@ -297,29 +293,6 @@ class Run:
                 self._start(ep, positions, 1, now)
                 return _INF
         return _INF
-
-    def _store_failed(self, now: float) -> None:
-        """A request failed: count towards (or keep) the breaker open."""
-        self._fails_in_row += 1
-        if self._down_since is None:
-            self._down_since = now
-        n = self._fails_in_row - self.retry.breaker_after
-        if n >= 0:
-            if n == 0:
-                log.warning(
-                    "%s: %d requests in a row failed; probing it one request at a time, "
-                    "retrying each sample for up to %.0f s", self._store, self._fails_in_row, self.retry.deadline,
-                )
-            self._probes += 1
-            self._probe_at = now + self.retry.delay(self._probes + 1, self._rand.random())
-
-    def _store_answered(self) -> None:
-        if self._fails_in_row >= self.retry.breaker_after:
-            down = self._loop.time() - (self._down_since or 0.0)
-            log.warning("%s answers again after %.1f s", self._store, down)
-        self._fails_in_row = 0
-        self._down_since = None
-        self._probes = 0
 
     def _start(self, ep: _Epoch, positions: list[int], attempt: int, now: float, *, hedge_of: _Req | None = None) -> _Req:
         sids = ep.plan.ids_at(positions).tolist()
@@ -411,8 +384,8 @@ class Run:
         self._reserved -= take
         ep = req.epoch
         ep.reserved -= take
-        if self._fails_in_row:
-            self._store_answered()
+        if self._breaker.fails:
+            self._breaker.answered(self._loop.time())
         if isinstance(result, SampleNotFound):
             for p in positions:
                 if p not in ep.completed:
@@ -505,7 +478,7 @@ class Run:
                 exc = StoreError(f"source answered {len(missing)} of the ids it was asked for with nothing")
             self.c.failures += 1
             self.link.failed()
-            self._store_failed(now)
+            self._breaker.failed(now)
         if missing and live:
             self._retry_later(ep, missing, exc or StoreError("request cancelled"), now)
         if req.twin is not None and req.twin.twin is req:
@@ -529,7 +502,7 @@ class Run:
     def _maybe_hedge(self, now: float) -> float:
         """Hedge requests past their deadline; return the next hedge deadline
         (inf when hedging is off, the breaker is open, or the hedge budget is spent)."""
-        if not self.hedge.enabled or self._fails_in_row >= self.retry.breaker_after:
+        if not self.hedge.enabled or self._breaker.open:
             return _INF
         budget = max(1, int(self.hedge.max_fraction * self.link.window))
         hedges = self._nhedge
@@ -562,7 +535,7 @@ class Run:
             err = SampleFailed(
                 self.dataset, sid, attempts, exc, store=self._store,
                 failing_for=None if first is None or now is None else now - first,
-                down_for=None if self._down_since is None or now is None else now - self._down_since,
+                down_for=None if self._breaker.down_since is None or now is None else now - self._breaker.down_since,
             )
         if self.errors.on_error == "raise" or ep.skipped_count >= self.errors.max_skipped:
             raise err from (None if err is exc else exc)

@@ -6,10 +6,9 @@ SPDL's ``get_iterator()``: each ``iter(loader)`` returns a fresh
 iter(loader)`` walk two consecutive epochs). An epoch iterator gives
 :class:`Batch` es (``for batch in it``, ``get(timeout)``, ``get_nowait()``,
 which raises :class:`queue.Empty` when no batch is ready) and stops at the
-epoch's end. Starting the next epoch's iterator before one is exhausted
-abandons the rest of it, as torch does. After ``load_state_dict()`` the next
-``iter()`` delivers exactly the rest of the saved epoch. ``loader.get()``
-reads the running epoch directly (StopIteration at its end, then the next).
+epoch's end; starting the next one abandons the rest, as torch does. After
+``load_state_dict()`` the next ``iter()`` delivers exactly the rest of the
+saved epoch. ``loader.get()`` reads the running epoch directly.
 
 The engine prefetches the next epoch while the current one finishes. Options
 are read-only: a new option means a new Loader. ``stats()`` merges the

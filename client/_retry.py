@@ -1,5 +1,6 @@
-"""What is worth another try (:func:`retryable`), and :func:`retrying`: a catalog read
-(the split's ids, a derived split) retried with ``Retry``'s backoff until its deadline."""
+"""What is worth another try (:func:`retryable`); :func:`retrying`, a catalog read (the
+split's ids, a derived split) retried with ``Retry``'s backoff until its deadline; and the
+engine's circuit :class:`Breaker`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataferry.schema import PermanentStoreError, StoreError, redact_url
 
 from ._options import Retry
 
-__all__ = ["RETRYABLE", "retryable", "retrying", "describe_source"]
+__all__ = ["RETRYABLE", "retryable", "retrying", "describe_source", "Breaker"]
 
 log = logging.getLogger("dataferry.client")
 
@@ -56,3 +57,44 @@ async def retrying(call, retry: Retry, what: str, store: str):
                 log.warning("%s from %s failed (%s); retrying for up to %.0f s", what, store, exc, retry.deadline)
             attempt += 1
             await asyncio.sleep(retry.delay(attempt, rand.random()))
+
+
+class Breaker:
+    """The circuit breaker: after ``Retry.breaker_after`` failed requests in a row with no
+    answer in between it is open, and the engine sends one request at a time (a probe), not
+    before ``probe_at`` (spaced by the backoff), until the store answers. Both transitions are
+    logged. Lives on the engine's loop."""
+
+    def __init__(self, retry: Retry, store: str, rand: random.Random) -> None:
+        self.retry, self._store, self._rand = retry, store, rand
+        self.fails = 0  # failed requests in a row
+        self.down_since: float | None = None  # when the first of them failed
+        self.probe_at = 0.0  # open: the next probe not before this (loop time)
+        self._probes = 0
+
+    @property
+    def open(self) -> bool:
+        return self.fails >= self.retry.breaker_after
+
+    def failed(self, now: float) -> None:
+        """A request failed: count towards opening the breaker (or keep it open)."""
+        self.fails += 1
+        if self.down_since is None:
+            self.down_since = now
+        n = self.fails - self.retry.breaker_after
+        if n >= 0:
+            if n == 0:
+                log.warning(
+                    "%s: %d requests in a row failed; probing it one request at a time, "
+                    "retrying each sample for up to %.0f s", self._store, self.fails, self.retry.deadline,
+                )
+            self._probes += 1
+            self.probe_at = now + self.retry.delay(self._probes + 1, self._rand.random())
+
+    def answered(self, now: float) -> None:
+        """The store answered: the breaker closes."""
+        if self.open:
+            log.warning("%s answers again after %.1f s", self._store, now - (self.down_since or 0.0))
+        self.fails = 0
+        self.down_since = None
+        self._probes = 0
