@@ -30,8 +30,8 @@ store URL or address.
     │   └── UndecodableSample  a delivered sample's bytes failed to decode (dataset + id)
     ├── WireFormatError        bytes that do not follow the wire format (also a ValueError)
     ├── RequestRejected        the data service refused a malformed request, or is not one
-    └── SampleFailed           the engine gave up on a sample (defined with the engine,
-                               dataferry.client; carries the last cause)
+    └── SampleFailed           the engine gave up on a sample, with the last cause
+                               (defined with the engine's types, client/_types.py)
 """
 
 from __future__ import annotations

@@ -77,3 +77,28 @@ def test_every_backend_implements_the_whole_store_protocol(backend):
     assert {"get_derived", "put_derived", "fetch", "read_split", "close"} <= set(wanted)
     missing = [name for name in wanted if not is_async(getattr(impl, name, None))]
     assert missing == []
+
+
+def test_every_error_is_drawn_in_the_one_tree():
+    """Every DataferryError the public faces reach is in schema/_errors.py's tree, under its real base."""
+    from dataferry.schema import _errors
+
+    for module in PUBLIC:
+        mod = importlib.import_module(module)
+        for name in mod.__all__:
+            getattr(mod, name)
+
+    def below(klass):
+        for sub in klass.__subclasses__():
+            yield sub
+            yield from below(sub)
+
+    tree = _errors.__doc__
+    missing = [k.__name__ for k in below(_errors.DataferryError)
+               if k.__module__.startswith("dataferry.") and f"── {k.__name__} " not in tree]
+    assert missing == []
+    for klass in below(_errors.DataferryError):  # drawn under the base it subclasses
+        if klass.__module__.startswith("dataferry."):
+            base = klass.__bases__[0].__name__
+            at = tree.index(f"── {klass.__name__} ")
+            assert tree.rfind(f"── {base} ", 0, at) != -1 or base == "DataferryError", klass
