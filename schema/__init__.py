@@ -2,7 +2,10 @@
 
 The data model, the error tree, the one store seam (:class:`SampleSource` /
 :class:`Store`) and its backends (SQLite, Cassandra/ScyllaDB), the CQL schema,
-and ingest. See ``README.md`` in this folder for a map of the files.
+and ingest: the lowest floor, importing no other dataferry package. Its
+public face: ``__all__`` (a training script's names) and ``_SHARED`` (what the
+server, the client and the CLI in ``cli/`` take from the contract); other
+packages import nothing else of it. See ``README.md`` for a map of the files.
 
 Attributes are imported lazily (PEP 562) so ``dataferry --help`` stays fast.
 """
