@@ -40,7 +40,12 @@ class LoopThread:
         self.loop.run_forever()
         self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         self.loop.run_until_complete(self.loop.shutdown_default_executor())  # its threads end with the loop
-        self.loop.close()
+        for _ in range(3):  # transports closed last need a few turns of the loop to release their handles
+            self.loop.run_until_complete(asyncio.sleep(0.005))
+        try:
+            self.loop.close()
+        except OSError:  # uvloop: EBUSY, a handle still closing; the loop is closed, the process frees it
+            pass
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

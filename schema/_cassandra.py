@@ -127,17 +127,6 @@ def _no_checksum_column(exc: BaseException) -> bool:
     return "xxh3" in text and ("undefined column" in text or "unknown" in text or "no column" in text)
 
 
-def _timed_out(exc: BaseException) -> bool:
-    """Whether a statement timed out (the driver's client timeout, or a node's read or write
-    timeout after the retry policy's tries). Just after a node dies, the others still count it
-    alive for several seconds and a coordinator that waits on it answers late; the store sends
-    such a statement once more (reads and these writes of fixed values are idempotent), by
-    when the node is known down. The hot sample path resends on its own (``_cqlfast``)."""
-    from cassandra import OperationTimedOut, Timeout
-
-    return isinstance(exc, (OperationTimedOut, Timeout))
-
-
 def _refused_unsent(exc: BaseException) -> bool:
     """Whether the driver refused a request before sending it because every connection's socket was
     full (``ConnectionBusy``): safe to send again once the socket drains."""
@@ -352,7 +341,6 @@ class CassandraStore:
         jobs, more, pending = iter(jobs), True, 0
         busy: deque = deque()  # jobs the driver refused unsent (its socket was full): sent again
         busy_since: float | None = None
-        resent: set[int] = set()  # jobs already sent again after a timeout
         limit, sem, issue, hot = self._opts.concurrency, self._sem, self._issue, (name if name in _HOT else None)
         while True:
             while (busy or more) and pending < limit:
@@ -380,10 +368,6 @@ class CassandraStore:
                     busy.append(job)
                     continue
                 key = job[0]
-                if exc is not None and hot is None and _timed_out(exc) and id(job) not in resent:
-                    resent.add(id(job))  # every statement here is idempotent: sent once more (see _timed_out)
-                    busy.append(job)
-                    continue
                 if exc is not None:
                     err = self._error(exc, what)
                     if err is exc:

@@ -175,15 +175,27 @@ async def _check_labels(store: Store, dataset: str, src: Source) -> DatasetInfo 
     return info
 
 
+async def _patiently(read, tries: int = 3):
+    """``await read()``, asked again after a timeout, up to ``tries`` times: just after a
+    Cassandra node dies the others count it alive for seconds, and a coordinator waiting on it
+    answers late; by the next try it is known down. Reads only: they are safe to repeat."""
+    for attempt in range(1, tries + 1):
+        try:
+            return await read()
+        except StoreTimeout:
+            if attempt == tries:
+                raise
+
+
 async def _find_existing(store: Store, dataset: str, src: Source, ids: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """A mask of the source's samples already committed; checks their paths and labels."""
     committed = np.zeros(len(ids), dtype=bool)
     for start in range(0, len(ids), _EXISTING_BATCH):
         batch = ids[start : start + _EXISTING_BATCH].tolist()
-        found = await store.existing(dataset, batch)
+        found = await _patiently(lambda: store.existing(dataset, batch))
         if not found:
             continue
-        metas = await store.read_meta(dataset, sorted(found))
+        metas = await _patiently(lambda: store.read_meta(dataset, sorted(found)))
         for k, sid in enumerate(batch):
             if sid not in found:
                 continue
