@@ -456,40 +456,32 @@ class HttpSource:
                            dataset: str, parent: str) -> tuple[int, dict]:
         """One request of a derive: ``(status, JSON document)`` of a 200 or 202; errors raised, a job's
         failure naming ``label``."""
-        for again in (False, True):
-            sent_with = self._token
+        async def attempt() -> tuple[int, dict]:
             head = f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._headers}Prefer: respond-async, wait={wait:g}\r\n"
             if body is None:
                 request = (head + "\r\n").encode("latin-1")
             else:
                 request = (head + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
                            ).encode("latin-1") + body
-            try:
-                async with self._open_pool().exchange(request, "application/json", collector(), holds=wait) as conn:
-                    status = conn.head.status
-                    if status in (200, 202) and conn.head.content_type == "application/json":
-                        raw = await read_body(conn)
-                        try:
-                            doc = json.loads(raw)
-                        except ValueError as exc:
-                            raise StoreError(f"{self.url}: {label}: the answer is not JSON") from exc
-                        if not isinstance(doc, dict):
-                            raise StoreError(f"{self.url}: {label}: the answer is not a JSON object")
-                        return status, doc
-                    error = await self._error_doc(conn) if status == 409 or status >= 500 else None
-                    if error is not None:  # the job's own failure (the request was fine)
-                        raise self._derive_failed(status, error[0], error[1], label)
-                    await self._check_response(conn, method, path, "application/json", label, dataset=dataset,
-                                               split=parent)
-                    raise StoreError(f"{self.url}: {label}: unexpected HTTP {status}")
-            except TokenRefused:
-                if again or not self._rotated(sent_with):
-                    raise
-            except DataferryError:
-                raise  # translated already (a StoreTimeout is a TimeoutError too)
-            except _TRANSPORT_ERRORS as exc:
-                raise self._translate(exc, label) from exc
-        raise AssertionError("unreachable")  # the second try returns or raises
+            async with self._open_pool().exchange(request, "application/json", collector(), holds=wait) as conn:
+                status = conn.head.status
+                if status in (200, 202) and conn.head.content_type == "application/json":
+                    raw = await read_body(conn)
+                    try:
+                        doc = json.loads(raw)
+                    except ValueError as exc:
+                        raise StoreError(f"{self.url}: {label}: the answer is not JSON") from exc
+                    if not isinstance(doc, dict):
+                        raise StoreError(f"{self.url}: {label}: the answer is not a JSON object")
+                    return status, doc
+                error = await self._error_doc(conn) if status == 409 or status >= 500 else None
+                if error is not None:  # the job's own failure (the request was fine)
+                    raise self._derive_failed(status, error[0], error[1], label)
+                await self._check_response(conn, method, path, "application/json", label, dataset=dataset,
+                                           split=parent)
+                raise StoreError(f"{self.url}: {label}: unexpected HTTP {status}")
+
+        return await self._rotating(attempt, label)
 
     def _derive_failed(self, status: int, error: str, detail: str, label: str) -> DataferryError:
         """A derive job's failure, one line naming the dataset and the filter."""
@@ -527,16 +519,25 @@ class HttpSource:
     async def _read(self, method: str, path: str, ctype: str, what: str, *, json_body: bytes | None = None,
                     **names: str) -> bytes:
         """The whole answer to ``method path`` (sending ``json_body``, if any), checked to be a 200 of ``ctype``."""
-        for again in (False, True):
-            sent_with = self._token
+        async def attempt() -> bytes:
             if json_body is None:
                 request = self._request(method, path)
             else:
                 request = self._request(method, path, json_body, "application/json")
+            async with self._open_pool().exchange(request, ctype, collector()) as conn:
+                await self._check_response(conn, method, path, ctype, what, **names)
+                return await read_body(conn)
+
+        return await self._rotating(attempt, what)
+
+    async def _rotating(self, attempt, what: str):
+        """``await attempt()`` (which builds its request with the current token); when the service
+        refuses the token and the token file holds a new one, once more. Transport errors are
+        translated naming ``what``."""
+        for again in (False, True):
+            sent_with = self._token
             try:
-                async with self._open_pool().exchange(request, ctype, collector()) as conn:
-                    await self._check_response(conn, method, path, ctype, what, **names)
-                    return await read_body(conn)
+                return await attempt()
             except TokenRefused:
                 if again or not self._rotated(sent_with):
                     raise
