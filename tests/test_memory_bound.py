@@ -53,29 +53,30 @@ FIXED_OVERHEAD = 8 * MiB
 
 _CHILD = r"""
 import importlib, json, sys, time
-from dataferry.client import Loader, Prefetch
 
 # what opening a loader imports, imported before the baseline: code is not data
-for name in ("sqlite3", "numpy.random", "numpy.ma", "uvloop", "dataferry.schema._open", "dataferry.schema._sqlite"):
+for name in ("sqlite3", "numpy.random", "numpy.ma", "uvloop", "aiohttp", "dataferry.client._http",
+             "dataferry.schema._open", "dataferry.schema._sqlite"):
     try:
         importlib.import_module(name)
     except ImportError:
         pass
+from dataferry.client import Loader, Prefetch
 
 def kib(field):
     with open("/proc/self/status") as fh:
         return next(int(line.split()[1]) for line in fh if line.startswith(field + ":"))
 
-url, budget, batch_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+url, dataset, budget, batch_size, epochs, pause = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6]), float(sys.argv[6])
 base = kib("VmRSS")
 with open("/proc/self/clear_refs", "w") as fh:  # reset VmHWM to the current RSS
     fh.write("5")
 samples = 0
-with Loader(url, "mem", batch_size=batch_size, prefetch=Prefetch(max_bytes=budget)) as loader:
-    for _ in range(3):
+with Loader(url, dataset, batch_size=batch_size, prefetch=Prefetch(max_bytes=budget)) as loader:
+    for _ in range(epochs):
         for batch in loader:
             samples += len(batch.data)
-            time.sleep(0.001)  # a consumer a little slower than the store
+            time.sleep(pause)  # a consumer slower than the store
     peak_bytes = loader.stats().peak_bytes
 print(json.dumps({"growth": (kib("VmHWM") - base) * 1024, "samples": samples, "peak_bytes": peak_bytes}))
 """
@@ -107,7 +108,7 @@ def store_url(tmp_path_factory) -> str:
 @pytest.mark.parametrize("budget", [16 * MiB, 32 * MiB])
 def test_sqlite_direct_loader_rss_stays_within_budget_plus_fixed_overhead(store_url, budget):
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, store_url, str(budget), str(BATCH)],
+        [sys.executable, "-c", _CHILD, store_url, "mem", str(budget), str(BATCH), "3", "0.001"],
         capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 0, done.stderr
@@ -129,33 +130,6 @@ HTTP_SAMPLES, HTTP_BATCH, HTTP_BUDGET = 640, 64, 16 * MiB
 #: held (4 MiB each), Python objects, connections and their buffers. Measured: 26-31 MiB in all
 #: here (31-35 before the consumer's batch counted in the budget, and the accounting went over)
 HTTP_ALLOWANCE = 16 * MiB
-
-_HTTP_CHILD = r"""
-import importlib, json, sys, time
-for name in ("sqlite3", "numpy.random", "numpy.ma", "uvloop", "aiohttp", "dataferry.client._http"):
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        pass
-from dataferry.client import Loader, Prefetch
-
-def kib(field):
-    with open("/proc/self/status") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith(field + ":"))
-
-url, budget, batch_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-base = kib("VmRSS")
-with open("/proc/self/clear_refs", "w") as fh:
-    fh.write("5")
-samples = 0
-with Loader(url, "jpegs", batch_size=batch_size, prefetch=Prefetch(max_bytes=budget)) as loader:
-    for _ in range(2):
-        for batch in loader:
-            samples += len(batch.data)
-            time.sleep(0.01)  # a consumer slower than loopback: the budget fills
-    peak_bytes = loader.stats().peak_bytes
-print(json.dumps({"growth": (kib("VmHWM") - base) * 1024, "samples": samples, "peak_bytes": peak_bytes}))
-"""
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +161,7 @@ def test_http_loader_accounting_within_budget_and_rss_within_allowance(jpeg_size
     the accounting past max_bytes; and the consumer's batch was outside it (RSS 1.7x the budget)."""
     with live_server(lambda: make_app(jpeg_sized_url)) as live:
         done = subprocess.run(
-            [sys.executable, "-c", _HTTP_CHILD, live.base, str(HTTP_BUDGET), str(HTTP_BATCH)],
+            [sys.executable, "-c", _CHILD, live.base, "jpegs", str(HTTP_BUDGET), str(HTTP_BATCH), "2", "0.01"],
             capture_output=True, text=True, timeout=120,
         )
     assert done.returncode == 0, done.stderr
