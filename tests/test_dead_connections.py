@@ -31,7 +31,7 @@ DROP_AFTER, PAUSE = 2.0, 3.0
 STALL = 2.0
 
 
-class SilentDropRelay:
+class SilentDropRelay(RawHttpServer):
     """TCP relay on loopback to ``port``; a flow idle ``drop_after`` seconds is
     dropped silently (its bytes swallowed both ways, its sockets left open)."""
 
@@ -40,7 +40,7 @@ class SilentDropRelay:
         self.dropped = 0  # flows dropped
         self.flows = 0  # flows opened
 
-    async def _flow(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
+    async def handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
         self.flows += 1
         ureader, uwriter = await asyncio.open_connection("127.0.0.1", self.port)
         state = {"last": time.monotonic(), "dead": False}
@@ -63,22 +63,6 @@ class SilentDropRelay:
         finally:
             uwriter.close()
             cwriter.close()
-
-    async def __aenter__(self) -> str:
-        self._tasks: set[asyncio.Task] = set()
-
-        async def flow(r, w):
-            self._tasks.add(asyncio.current_task())
-            await self._flow(r, w)
-
-        self._server = await asyncio.start_server(flow, "127.0.0.1", 0)
-        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-
-    async def __aexit__(self, *exc) -> None:
-        self._server.close()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 @contextlib.contextmanager
