@@ -2,6 +2,7 @@
 
     python -m dataferry.bench.gpu_check [--images 256] [--batch 128] [--runs 3] [--device-id 0]
     python -m dataferry.bench.gpu_check --e2e [--images 4096] [--rtts 0,100,200] [--epochs 3] [--out DIR]
+        [--iterators dali,torch] [--jpeg2000-images N] [--server-workers N] [--profile-rtt MS]
     python -m dataferry.bench.gpu_check --allow-cpu     # no GPU: the same on DALI's CPU path
 
 On a machine with a CUDA GPU it
@@ -274,6 +275,15 @@ def _arguments() -> argparse.ArgumentParser:
     e2e.add_argument("--hw-decoder-load", type=float, default=None,
                      help="DaliOptions.hw_decoder_load (default: DaliOptions' own)")
     e2e.add_argument("--out", metavar="DIR", help="also write gpu_e2e.json and gpu_e2e.md here")
+    e2e.add_argument("--iterators", default="dali,torch", metavar="dali,torch",
+                     help="DaliIterator (GPU decode) and/or TorchIterator (Pillow, then .to(cuda)); default both")
+    e2e.add_argument("--jpeg2000-images", type=int, default=0, metavar="N",
+                     help="also N of the images as lossless JPEG 2000 (nvJPEG2000 on GPUs), DALI only (default 0)")
+    e2e.add_argument("--server-workers", type=int, default=None, metavar="N",
+                     help="`dataferry serve --workers N` (default: serve's own, the usable cores)")
+    e2e.add_argument("--profile-rtt", type=float, default=None, metavar="MS",
+                     help="one more DALI run at this RTT under a sampling profiler of every Python thread "
+                          "(gpu_e2e_profile.txt; not in the table)")
     return ap
 
 

@@ -45,13 +45,14 @@ from dataclasses import asdict, dataclass
 
 from ._common import data_server, process_cpu_s, table
 from ._links import Condition, ProxyLink
+from ._threadprof import Sampler, cpu_by_thread, thread_cpu
 from .decode import median_seconds, pipeline_epoch, read_files
 from .gpu_check import MIN_PSNR, check_decoder
 
 __all__ = ["E2EOptions", "RttResult", "run_e2e"]
 
 DATASET = "gpu-e2e"
-HEADER = ["rtt ms", "device", "images/s total", "images/s first epoch", "images/s steady", "steady / ceiling",
+HEADER = ["rtt ms", "path", "device", "images/s total", "images/s first epoch", "images/s steady", "steady / ceiling",
           "first batch s", "client CPU us/image", "server CPU us/image served"]
 
 
@@ -66,10 +67,18 @@ class E2EOptions:
     hw_decoder_load: float | None = None
     min_psnr: float = MIN_PSNR
     out: str | None = None
+    iterators: tuple[str, ...] = ("dali", "torch")  # DaliIterator (GPU decode); TorchIterator (Pillow) for comparison
+    jpeg2000_images: int = 0  # a second store of lossless JPEG 2000 (nvJPEG2000 on GPUs), DALI only; 0: none
+    server_workers: int | None = None  # `dataferry serve --workers` (None: its default, the usable cores)
+    profile_rtt: float | None = None  # one more DALI run at this RTT under the sampling profiler (not in the table)
 
     def __post_init__(self) -> None:
         if self.images < 1 or self.batch < 1 or self.epochs < 1 or self.runs < 1:
             raise ValueError("--images, --batch, --epochs and --runs must be >= 1")
+        if not self.iterators or set(self.iterators) - {"dali", "torch"}:
+            raise ValueError(f"--iterators takes dali and/or torch, not {','.join(self.iterators)!r}")
+        if self.jpeg2000_images < 0 or (self.server_workers is not None and self.server_workers < 1):
+            raise ValueError("--jpeg2000-images must be >= 0 and --server-workers >= 1")
         if not self.rtts_ms or any(not (math.isfinite(r) and r >= 0) for r in self.rtts_ms):
             raise ValueError(f"--rtts must be round trips in ms >= 0, not {self.rtts_ms!r}")
 
@@ -82,12 +91,16 @@ class E2EOptions:
                 from None
         return cls(images=args.images or 4096, rtts_ms=rtts, epochs=args.epochs, batch=args.batch or 256,
                    runs=args.runs, device_id=args.device_id, hw_decoder_load=args.hw_decoder_load,
-                   min_psnr=args.min_psnr, out=args.out)
+                   min_psnr=args.min_psnr, out=args.out,
+                   iterators=tuple(i.strip() for i in args.iterators.split(",") if i.strip()),
+                   jpeg2000_images=args.jpeg2000_images, server_workers=args.server_workers,
+                   profile_rtt=args.profile_rtt)
 
 
 @dataclass(frozen=True, slots=True)
 class RttResult:
     rtt_ms: float
+    path: str  # "dali jpeg", "torch jpeg", "dali jpeg2000"
     device: str
     images: int  # delivered, all epochs
     epoch_images: tuple[int, ...]
@@ -98,6 +111,7 @@ class RttResult:
     server_cpu_s: float
     ceiling: float  # images/s, DALI from memory
     loader: dict  # Loader.stats() at the last batch
+    threads: tuple  # ((thread name, CPU s), ...): this process's busiest threads over the run
 
     @property
     def total(self) -> float:
@@ -125,7 +139,7 @@ class RttResult:
 
     def row(self) -> list[str]:
         steady, ratio = self.steady, self.steady_ratio
-        return [f"{self.rtt_ms:g}", self.device, f"{self.total:,.0f}", f"{self.first_epoch:,.0f}",
+        return [f"{self.rtt_ms:g}", self.path, self.device, f"{self.total:,.0f}", f"{self.first_epoch:,.0f}",
                 "-" if steady is None else f"{steady:,.0f}", "-" if ratio is None else f"{ratio:.2f}",
                 f"{self.first_batch_s:.2f}", f"{self.client_cpu_s / self.images * 1e6:,.0f}",
                 f"{self.server_cpu_s / max(self.served, 1) * 1e6:,.0f}"]
@@ -141,23 +155,32 @@ class RttResult:
 
 
 # --- the store and the processes ---------------------------------------------------------------------
-def _make_store(tmp: str, images: int) -> tuple[str, list[bytes]]:
-    """A SQLite store of ``images`` synthetic JPEGs; returns its URL and the JPEGs (sorted by path)."""
+def _make_store(tmp: str, images: int, format: str | None = None) -> tuple[str, list[bytes]]:
+    """A SQLite store of ``images`` synthetic JPEGs (re-encoded as ``format`` if given); returns its URL and
+    the stored bytes in id order (read back from the store when re-encoded, else the files sorted by path)."""
+    from dataferry.client import Loader
     from dataferry.schema import IngestOptions, ingest, make_synthetic, open_store
 
-    folder = os.path.join(tmp, "images")
-    make_synthetic(folder, images, classes=10, seed=0)
-    url = f"sqlite://{tmp}/gpu-e2e.db"
+    folder = os.path.join(tmp, f"images-{images}")
+    if not os.path.isdir(folder):
+        make_synthetic(folder, images, classes=10, seed=0)
+    url = f"sqlite://{tmp}/gpu-e2e-{format or 'jpeg'}.db"
 
     async def fill():
         async with await open_store(url) as store:
-            return await ingest(store, folder, DATASET, IngestOptions(), progress=False)
+            return await ingest(store, folder, DATASET, IngestOptions(format=format), progress=False)
 
     report = asyncio.run(fill())
     if report.ingested != images:
         raise RuntimeError(f"ingest into {url} took {report.ingested} of {images} images "
                            f"({len(report.rejected)} rejected)")
-    return url, read_files(folder)
+    if format is None:
+        return url, read_files(folder)
+    stored = {}
+    with Loader(url, DATASET, batch_size=256) as loader:
+        for b in loader:
+            stored.update(zip(b.ids.tolist(), map(bytes, b.data)))
+    return url, [stored[k] for k in sorted(stored)]
 
 
 # --- the measurements ----------------------------------------------------------------------------
@@ -192,37 +215,51 @@ def _synchronizer(device: str, device_id: int | None):
     return lambda: torch.cuda.synchronize(device_id)
 
 
+def _iterator(kind: str, loader, options, device: str, device_id: int | None):
+    """The iterator a training loop would use, and what it does to each batch's images (to the GPU)."""
+    from dataferry.client import DaliIterator, TorchIterator, TrainTransform
+
+    if kind == "dali":
+        return DaliIterator(loader, TrainTransform(224), options=options), lambda images: images
+    target = f"cuda:{device_id or 0}" if device == "gpu" else "cpu"
+    return TorchIterator(loader, TrainTransform(224)), lambda images: images.to(target, non_blocking=True)
+
+
 def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: str, device_id: int | None,
-                options, opts: E2EOptions, server_pid: int, ceiling: float) -> RttResult:
-    """``opts.epochs`` epochs of Loader (HTTP, through the proxy) → DaliIterator → tensors."""
-    from dataferry.client import DaliIterator, Loader, TrainTransform
+                options, opts: E2EOptions, server_pid: int, ceiling: float, *, kind: str = "dali",
+                codec: str = "jpeg") -> RttResult:
+    """``opts.epochs`` epochs of Loader (HTTP, through the proxy) → ``kind``'s iterator → tensors on ``device``."""
+    from dataferry.client import Loader
 
     sync = _synchronizer(device, device_id)
     counts, ends = [], []
     first = None
-    c0, s0 = time.process_time(), process_cpu_s(server_pid)
+    c0, s0, th0 = time.process_time(), process_cpu_s(server_pid), thread_cpu()
     t0 = time.perf_counter()
-    with Loader(link_url, DATASET, batch_size=opts.batch) as loader, \
-            DaliIterator(loader, TrainTransform(224), options=options) as it:
-        for epoch in range(opts.epochs):
-            seen = set()
-            n = 0
-            for b in it:
-                if first is None:
-                    sync()
-                    first = time.perf_counter() - t0
-                n += len(b)
-                seen.update(b.ids.tolist())
-            sync()
-            ends.append(time.perf_counter())
-            if n != images or len(seen) != images:
-                raise RuntimeError(f"at {rtt_ms:g} ms RTT, epoch {epoch} delivered {n} images ({len(seen)} distinct) "
-                                   f"of {images}")
-            counts.append(n)
-        client_cpu, server_cpu = time.process_time() - c0, process_cpu_s(server_pid) - s0
+    with Loader(link_url, DATASET, batch_size=opts.batch) as loader:
+        it, to_device = _iterator(kind, loader, options, device, device_id)
+        with it:
+            for epoch in range(opts.epochs):
+                seen = set()
+                n = 0
+                for b in it:
+                    to_device(b.images)
+                    if first is None:
+                        sync()
+                        first = time.perf_counter() - t0
+                    n += len(b)
+                    seen.update(b.ids.tolist())
+                sync()
+                ends.append(time.perf_counter())
+                if n != images or len(seen) != images:
+                    raise RuntimeError(f"at {rtt_ms:g} ms RTT, {kind} {codec}: epoch {epoch} delivered {n} images "
+                                       f"({len(seen)} distinct) of {images}")
+                counts.append(n)
+            client_cpu, server_cpu = time.process_time() - c0, process_cpu_s(server_pid) - s0
+            threads = tuple(cpu_by_thread(th0, thread_cpu()))
         stats = loader.stats().as_dict()
-    return RttResult(rtt_ms, label, sum(counts), tuple(counts), ends[-1] - t0, ends[0] - t0, first,
-                     client_cpu, server_cpu, ceiling, stats)
+    return RttResult(rtt_ms, f"{kind} {codec}", label, sum(counts), tuple(counts), ends[-1] - t0, ends[0] - t0,
+                     first, client_cpu, server_cpu, ceiling, stats, threads)
 
 
 def _decoding(options, device: str, device_id: int | None) -> str:
@@ -250,43 +287,66 @@ def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, co
         print(line, flush=True)
         lines.append(line)
 
+    server_args = () if opts.server_workers is None else ("--workers", str(opts.server_workers))
     with tempfile.TemporaryDirectory(prefix="dataferry-gpu-e2e-") as tmp:
         t = time.perf_counter()
         store_url, blobs = _make_store(tmp, opts.images)
         mean_kb = statistics.fmean(map(len, blobs)) / 1e3
         say(f"{len(blobs)} synthetic JPEGs (mean {mean_kb:.0f} KB) ingested into {store_url} "
             f"in {time.perf_counter() - t:.1f} s; batch {opts.batch}, {opts.epochs} epoch(s) per RTT; "
-            f"DALI on {label}: {_decoding(options, device, device_id)}")
+            f"DALI on {label}: {_decoding(options, device, device_id)}; {os.cpu_count()} CPUs; "
+            f"`dataferry serve {' '.join(server_args) or '(default workers)'}`")
         agreed = check_decoder(blobs, device, device_id, opts.min_psnr)
         lines.append(f"decoder vs Pillow: {agreed.describe()}")
         ceiling = decode_ceiling(blobs, device, device_id, options, opts.batch, opts.runs)
         say(f"decode ceiling from memory ({label}; decode + TrainTransform(224), no loader, "
             f"median of {opts.runs}): {ceiling:,.0f} images/s")
-        results = []
-        with data_server(store_url) as server:
-            (host, port), pid = server, server.pid
-            for rtt in opts.rtts_ms:
-                with ProxyLink().emulate(Condition(rtt_ms=rtt)) as route:
-                    phost, pport = route((host, port))
-                    link = LinkOptions(delay=rtt / 2000)
-                    print(f"  {rtt:g} ms RTT: http://{phost}:{pport} ({link.describe()}) -> http://{host}:{port} ...",
-                          flush=True)
-                    results.append(measure_rtt(f"http://{phost}:{pport}", len(blobs), rtt, label, device, device_id,
-                                               options, opts, pid, ceiling))
+        stores = [("jpeg", store_url, len(blobs), ceiling, opts.iterators)]
+        if opts.jpeg2000_images:
+            t = time.perf_counter()
+            j2k_url, j2k = _make_store(tmp, opts.jpeg2000_images, "jpeg2000")
+            j2k_ceiling = decode_ceiling(j2k, device, device_id, options, opts.batch, opts.runs)
+            say(f"{len(j2k)} of the JPEGs as lossless JPEG 2000 (mean {statistics.fmean(map(len, j2k)) / 1e3:.0f} KB, "
+                f"made in {time.perf_counter() - t:.1f} s); its decode ceiling from memory: {j2k_ceiling:,.0f} images/s")
+            stores.append(("jpeg2000", j2k_url, len(j2k), j2k_ceiling, ("dali",)))
+        results, profile = [], None
+        for codec, url, n, ceil, kinds in stores:
+            with data_server(url, args=server_args) as server:
+                (host, port), pid = server, server.pid
+                for rtt in opts.rtts_ms:
+                    with ProxyLink().emulate(Condition(rtt_ms=rtt)) as route:
+                        phost, pport = route((host, port))
+                        link = LinkOptions(delay=rtt / 2000)
+                        print(f"  {codec}, {rtt:g} ms RTT: http://{phost}:{pport} ({link.describe()}) -> "
+                              f"http://{host}:{port} ...", flush=True)
+                        for kind in kinds:
+                            results.append(measure_rtt(f"http://{phost}:{pport}", n, rtt, label, device, device_id,
+                                                       options, opts, pid, ceil, kind=kind, codec=codec))
+                        if codec == "jpeg" and rtt == opts.profile_rtt:
+                            with Sampler() as sampler:
+                                profiled = measure_rtt(f"http://{phost}:{pport}", n, rtt, label, device, device_id,
+                                                       options, opts, pid, ceil, kind="dali", codec=codec)
+                            profile = (f"# sampling profile: dali jpeg at {rtt:g} ms RTT, {profiled.total:,.0f} images/s "
+                                       f"under the profiler\n\n" + sampler.report())
     say("images/s total: every image over the wall time from creating the Loader to the last batch "
         "(the headline); first epoch: from creating the Loader; steady: the epochs after the first; "
+        "steady / ceiling: against the decode ceiling of the same images; "
         "client CPU: per image delivered; server CPU: per image served (the loader fetches ahead past the last epoch)")
     md = table(HEADER, [r.row() for r in results])
     print(md)
     for r in results:
         s = r.loader
-        print(f"  {r.rtt_ms:g} ms: loader window {s['window']} requests, request latency "
-              f"{(s['request_latency'] or 0) * 1e3:.0f} ms (min {(s['min_latency'] or 0) * 1e3:.0f}), "
-              f"DALI's feeder waited on the loader {s['wait_fraction']:.0%} of the time, "
-              f"peak {s['peak_bytes'] / 2**20:.0f} MiB, retries {s['retries']}; received {r.served:,.0f} images "
-              f"for {s['samples']:,} delivered (the rest: look-ahead past the last epoch)")
+        say(f"  {r.rtt_ms:g} ms, {r.path}: loader window {s['window']} requests, request latency "
+            f"{(s['request_latency'] or 0) * 1e3:.0f} ms (min {(s['min_latency'] or 0) * 1e3:.0f}), "
+            f"the iterator waited on the loader {s['wait_fraction']:.0%} of the time, "
+            f"peak {s['peak_bytes'] / 2**20:.0f} MiB, retries {s['retries']}; received {r.served:,.0f} images "
+            f"for {s['samples']:,} delivered (the rest: look-ahead past the last epoch)")
+        say("    client CPU us/image by thread: " + ", ".join(
+            f"{name} {cpu / r.images * 1e6:,.0f}" for name, cpu in r.threads if cpu > 0))
+    if profile:
+        print(profile)
     if opts.out:
-        _write(opts, command, lines, md, results, ceiling, agreed, label)
+        _write(opts, command, lines, md, results, ceiling, agreed, label, profile)
     return 0 if agreed.ok else 1
 
 
@@ -302,7 +362,7 @@ def _finite(value):
 
 
 def _write(opts: E2EOptions, command: str, lines: list[str], md: str, results: list[RttResult], ceiling: float,
-           agreed, label: str) -> None:
+           agreed, label: str, profile: str | None) -> None:
     os.makedirs(opts.out, exist_ok=True)
     doc = {"command": command, "device": label,
            "options": asdict(opts), "decode_ceiling_images_per_s": ceiling,
@@ -311,6 +371,8 @@ def _write(opts: E2EOptions, command: str, lines: list[str], md: str, results: l
            "rows": [r.as_dict() for r in results]}
     files = {"gpu_e2e.json": json.dumps(_finite(doc), indent=2, allow_nan=False) + "\n",
              "gpu_e2e.md": "\n\n".join(["# gpu_check --e2e", f"`{command}`", "\n".join(lines), md]) + "\n"}
+    if profile:
+        files["gpu_e2e_profile.txt"] = profile
     for name, text in files.items():
         path = os.path.join(opts.out, name)
         with open(path + ".tmp", "w") as fh:  # nothing half-written: replaced whole

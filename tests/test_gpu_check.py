@@ -123,16 +123,17 @@ def test_e2e_runs_to_the_end_with_every_column_for_every_rtt(tmp_path, capsys):
     assert re.search(r"decode ceiling from memory .*: [\d,]+ images/s", out)
     assert re.search(r"decoder vs Pillow on 16 JPEGs: PSNR min .* agrees", out)
     rows = _table(out)
-    assert [r[0] for r in rows] == ["0", "20"]
+    assert [r[:2] for r in rows] == [["0", "dali jpeg"], ["0", "torch jpeg"], ["20", "dali jpeg"], ["20", "torch jpeg"]]
     for r in rows:
-        assert r[1] == "cpu (not GPU numbers)" if not GPU else r[1].startswith("gpu 0")
-        numbers = [float(c.replace(",", "")) for c in r[2:]]  # every column filled: no "-"
+        assert r[2] == "cpu (not GPU numbers)" if not GPU else r[2].startswith("gpu 0")
+        numbers = [float(c.replace(",", "")) for c in r[3:]]  # every column filled: no "-"
         assert all(v > 0 for v in numbers), r
+    assert re.search(r"client CPU us/image by thread: .*dataferry-engine [\d,]+", out)
     doc = json.loads((tmp_path / "gpu_e2e.json").read_text())
     assert doc["command"].endswith(" ".join(args + ([] if GPU else ["--allow-cpu"])))
     assert doc["psnr"]["ok"] and doc["decode_ceiling_images_per_s"] > 0
-    zero, twenty = doc["rows"]
-    for row in (zero, twenty):
+    zero, zero_torch, twenty, twenty_torch = doc["rows"]
+    for row in (zero, zero_torch, twenty, twenty_torch):
         assert row["epoch_images"] == [64, 64] and row["images"] == 128
         assert row["seconds_total"] > row["seconds_first_epoch"] >= row["first_batch_s"] > 0
         assert row["images_per_s_total"] == pytest.approx(128 / row["seconds_total"])
@@ -142,6 +143,25 @@ def test_e2e_runs_to_the_end_with_every_column_for_every_rtt(tmp_path, capsys):
     assert twenty["loader"]["min_latency"] >= 0.020  # the proxy is really in the path
     md = (tmp_path / "gpu_e2e.md").read_text()
     assert "| rtt ms |" in md and "steady / ceiling" in md and doc["command"] in md
+
+
+def test_e2e_jpeg2000_rows_and_the_profile(tmp_path, capsys):
+    args = ["--e2e", "--images", "32", "--epochs", "2", "--rtts", "0", "--iterators", "dali",
+            "--jpeg2000-images", "16", "--profile-rtt", "0", "--server-workers", "1", "--out", str(tmp_path)]
+    assert gpu_check.main(args + ([] if GPU else ["--allow-cpu"])) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"16 of the JPEGs as lossless JPEG 2000 .*decode ceiling from memory: [\d,]+ images/s", out)
+    assert [r[:2] for r in _table(out)] == [["0", "dali jpeg"], ["0", "dali jpeg2000"]]
+    j2k = json.loads((tmp_path / "gpu_e2e.json").read_text())["rows"][1]
+    assert j2k["epoch_images"] == [16, 16] and j2k["ceiling"] > 0
+    profile = (tmp_path / "gpu_e2e_profile.txt").read_text()
+    assert "## thread dataferry-engine" in profile and "## thread MainThread" in profile
+
+
+def test_e2e_unknown_iterator_is_named(capsys):
+    with pytest.raises(SystemExit) as info:
+        gpu_check.main(["--e2e", "--allow-cpu", "--iterators", "dali,jax"])
+    assert info.value.code == 2 and "--iterators" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU visible to DALI and torch")
