@@ -2,7 +2,7 @@
 
     python -m dataferry.bench.gpu_check [--images 256] [--batch 128] [--runs 3] [--device-id 0]
     python -m dataferry.bench.gpu_check --e2e [--images 4096] [--rtts 0,100,200] [--epochs 3] [--out DIR]
-        [--iterators dali,torch] [--jpeg2000-images N] [--server-workers N] [--profile-rtt MS]
+        [--iterators dali,torch] [--jpeg2000-images N] [--server-workers N] [--profile-rtt MS] [--prefetch max_bytes=2GiB ...]
     python -m dataferry.bench.gpu_check --allow-cpu     # no GPU: the same on DALI's CPU path
 
 On a machine with a CUDA GPU it
@@ -281,6 +281,9 @@ def _arguments() -> argparse.ArgumentParser:
                      help="also N of the images as lossless JPEG 2000 (nvJPEG2000 on GPUs), DALI only (default 0)")
     e2e.add_argument("--server-workers", type=int, default=None, metavar="N",
                      help="`dataferry serve --workers N` (default: serve's own, the usable cores)")
+    e2e.add_argument("--prefetch", action="append", metavar="default|KEY=VALUE,...",
+                     help="a Prefetch setting to measure (repeatable; alternated at each RTT): default, or e.g. "
+                          "max_bytes=2GiB,request_size=64")
     e2e.add_argument("--profile-rtt", type=float, default=None, metavar="MS",
                      help="one more DALI run at this RTT under a sampling profiler of every Python thread "
                           "(gpu_e2e_profile.txt; not in the table)")

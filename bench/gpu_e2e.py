@@ -12,7 +12,8 @@
 3. start ``dataferry serve`` on the store, and per RTT a ``dataferry
    latency-proxy`` in front of it (its own process, delay RTT/2 each way, the
    TCP window of ``LinkOptions``);
-4. per RTT: ``Loader`` over HTTP through the proxy → ``DaliIterator`` →
+4. per RTT (after one unmeasured epoch straight from the server, to start its
+   workers and warm the page cache): ``Loader`` over HTTP through the proxy → ``DaliIterator`` →
    float32 NCHW tensors on ``cuda:N``, for ``--epochs`` epochs, checking that
    each epoch delivers every image once.
 
@@ -71,6 +72,11 @@ class E2EOptions:
     jpeg2000_images: int = 0  # a second store of lossless JPEG 2000 (nvJPEG2000 on GPUs), DALI only; 0: none
     server_workers: int | None = None  # `dataferry serve --workers` (None: its default, the usable cores)
     profile_rtt: float | None = None  # one more DALI run at this RTT under the sampling profiler (not in the table)
+    prefetch: tuple[str, ...] = ("default",)  # Prefetch settings ("max_bytes=2GiB,request_size=64"), alternated per RTT
+
+    def prefetches(self) -> list:
+        """``(label, Prefetch)`` of each ``prefetch`` setting."""
+        return [(p, prefetch_of(p)) for p in self.prefetch]
 
     def __post_init__(self) -> None:
         if self.images < 1 or self.batch < 1 or self.epochs < 1 or self.runs < 1:
@@ -79,6 +85,7 @@ class E2EOptions:
             raise ValueError(f"--iterators takes dali and/or torch, not {','.join(self.iterators)!r}")
         if self.jpeg2000_images < 0 or (self.server_workers is not None and self.server_workers < 1):
             raise ValueError("--jpeg2000-images must be >= 0 and --server-workers >= 1")
+        self.prefetches()  # each setting parses
         if not self.rtts_ms or any(not (math.isfinite(r) and r >= 0) for r in self.rtts_ms):
             raise ValueError(f"--rtts must be round trips in ms >= 0, not {self.rtts_ms!r}")
 
@@ -94,7 +101,33 @@ class E2EOptions:
                    min_psnr=args.min_psnr, out=args.out,
                    iterators=tuple(i.strip() for i in args.iterators.split(",") if i.strip()),
                    jpeg2000_images=args.jpeg2000_images, server_workers=args.server_workers,
-                   profile_rtt=args.profile_rtt)
+                   profile_rtt=args.profile_rtt, prefetch=tuple(args.prefetch or ("default",)))
+
+
+def prefetch_of(setting: str):
+    """``Prefetch`` from ``"default"`` or ``"max_bytes=2GiB,request_size=64,tune=false"``; ValueError naming a bad part."""
+    from dataferry.client import Prefetch
+    from dataferry.schema import DataferryError, parse_size
+
+    if setting == "default":
+        return Prefetch()
+    kw = {}
+    for part in setting.split(","):
+        key, _, value = part.partition("=")
+        key = key.strip()
+        if key in ("max_bytes", "sample_bytes_hint"):
+            kw[key] = parse_size(value)
+        elif key in ("max_inflight", "initial_inflight", "request_size"):
+            kw[key] = int(value) if value.strip().isdigit() else None
+        elif key == "tune" and value.strip().lower() in ("true", "false"):
+            kw[key] = value.strip().lower() == "true"
+        else:
+            raise ValueError(f"--prefetch: {part!r} is not a Prefetch setting (max_bytes, sample_bytes_hint, "
+                             "max_inflight, initial_inflight, request_size, tune)")
+    try:
+        return Prefetch(**kw)
+    except (DataferryError, TypeError) as exc:
+        raise ValueError(f"--prefetch {setting!r}: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +260,7 @@ def _iterator(kind: str, loader, options, device: str, device_id: int | None):
 
 def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: str, device_id: int | None,
                 options, opts: E2EOptions, server_pid: int, ceiling: float, *, kind: str = "dali",
-                codec: str = "jpeg") -> RttResult:
+                codec: str = "jpeg", prefetch=("default", None)) -> RttResult:
     """``opts.epochs`` epochs of Loader (HTTP, through the proxy) → ``kind``'s iterator → tensors on ``device``."""
     from dataferry.client import Loader
 
@@ -236,7 +269,8 @@ def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: s
     first = None
     c0, s0, th0 = time.process_time(), process_cpu_s(server_pid), thread_cpu()
     t0 = time.perf_counter()
-    with Loader(link_url, DATASET, batch_size=opts.batch) as loader:
+    label_p, setting = prefetch
+    with Loader(link_url, DATASET, batch_size=opts.batch, **({} if setting is None else {"prefetch": setting})) as loader:
         it, to_device = _iterator(kind, loader, options, device, device_id)
         with it:
             for epoch in range(opts.epochs):
@@ -258,8 +292,20 @@ def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: s
             client_cpu, server_cpu = time.process_time() - c0, process_cpu_s(server_pid) - s0
             threads = tuple(cpu_by_thread(th0, thread_cpu()))
         stats = loader.stats().as_dict()
-    return RttResult(rtt_ms, f"{kind} {codec}", label, sum(counts), tuple(counts), ends[-1] - t0, ends[0] - t0,
+    path = f"{kind} {codec}" + ("" if label_p == "default" else f" [{label_p}]")
+    return RttResult(rtt_ms, path, label, sum(counts), tuple(counts), ends[-1] - t0, ends[0] - t0,
                      first, client_cpu, server_cpu, ceiling, stats, threads)
+
+
+def _warm(url: str, images: int) -> None:
+    """One epoch straight from the server (no proxy), not measured: its workers have started and the store's
+    pages are in the page cache before the first row, as in a job's second hour."""
+    from dataferry.client import Loader
+
+    with Loader(url, DATASET, batch_size=256) as loader:
+        n = sum(len(b) for b in loader)
+    if n != images:
+        raise RuntimeError(f"warm-up epoch from {url} delivered {n} of {images} images")
 
 
 def _decoding(options, device: str, device_id: int | None) -> str:
@@ -313,6 +359,7 @@ def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, co
         for codec, url, n, ceil, kinds in stores:
             with data_server(url, args=server_args) as server:
                 (host, port), pid = server, server.pid
+                _warm(f"http://{host}:{port}", n)
                 for rtt in opts.rtts_ms:
                     with ProxyLink().emulate(Condition(rtt_ms=rtt)) as route:
                         phost, pport = route((host, port))
@@ -320,8 +367,10 @@ def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, co
                         print(f"  {codec}, {rtt:g} ms RTT: http://{phost}:{pport} ({link.describe()}) -> "
                               f"http://{host}:{port} ...", flush=True)
                         for kind in kinds:
-                            results.append(measure_rtt(f"http://{phost}:{pport}", n, rtt, label, device, device_id,
-                                                       options, opts, pid, ceil, kind=kind, codec=codec))
+                            for prefetch in opts.prefetches():  # alternated, on the same server and link
+                                results.append(measure_rtt(f"http://{phost}:{pport}", n, rtt, label, device,
+                                                           device_id, options, opts, pid, ceil, kind=kind,
+                                                           codec=codec, prefetch=prefetch))
                         if codec == "jpeg" and rtt == opts.profile_rtt:
                             with Sampler() as sampler:
                                 profiled = measure_rtt(f"http://{phost}:{pport}", n, rtt, label, device, device_id,
