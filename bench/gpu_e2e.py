@@ -356,6 +356,15 @@ def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, co
                 f"made in {time.perf_counter() - t:.1f} s); its decode ceiling from memory: {j2k_ceiling:,.0f} images/s")
             stores.append(("jpeg2000", j2k_url, len(j2k), j2k_ceiling, ("dali",)))
         results, profile = [], None
+
+        def done(r: RttResult) -> None:  # each row as it ends: a run cut short still leaves what it measured
+            results.append(r)
+            steady = "-" if r.steady is None else f"{r.steady:,.0f}"
+            print(f"    {r.path}: {r.total:,.0f} images/s total, {steady} steady, in {r.seconds_total:.1f} s", flush=True)
+            if opts.out:
+                _write(opts, command, lines, table(HEADER, [x.row() for x in results]), results, ceiling, agreed,
+                       label, profile)
+
         for codec, url, n, ceil, kinds in stores:
             with data_server(url, args=server_args) as server:
                 (host, port), pid = server, server.pid
@@ -368,9 +377,8 @@ def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, co
                               f"http://{host}:{port} ...", flush=True)
                         for kind in kinds:
                             for prefetch in opts.prefetches():  # alternated, on the same server and link
-                                results.append(measure_rtt(f"http://{phost}:{pport}", n, rtt, label, device,
-                                                           device_id, options, opts, pid, ceil, kind=kind,
-                                                           codec=codec, prefetch=prefetch))
+                                done(measure_rtt(f"http://{phost}:{pport}", n, rtt, label, device, device_id, options,
+                                                 opts, pid, ceil, kind=kind, codec=codec, prefetch=prefetch))
                         if codec == "jpeg" and rtt == opts.profile_rtt:
                             with Sampler() as sampler:
                                 profiled = measure_rtt(f"http://{phost}:{pport}", n, rtt, label, device, device_id,
@@ -388,7 +396,8 @@ def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, co
         say(f"  {r.rtt_ms:g} ms, {r.path}: loader window {s['window']} requests, request latency "
             f"{(s['request_latency'] or 0) * 1e3:.0f} ms (min {(s['min_latency'] or 0) * 1e3:.0f}), "
             f"the iterator waited on the loader {s['wait_fraction']:.0%} of the time, "
-            f"peak {s['peak_bytes'] / 2**20:.0f} MiB, retries {s['retries']}; received {r.served:,.0f} images "
+            f"peak {s['peak_bytes'] / 2**20:.0f} MiB, the byte budget full {s['budget_full']:.1f} s and the window "
+            f"full {s['window_full']:.1f} s of {s['elapsed']:.1f}, retries {s['retries']}; received {r.served:,.0f} images "
             f"for {s['samples']:,} delivered (the rest: look-ahead past the last epoch)")
         say("    client CPU us/image by thread: " + ", ".join(
             f"{name} {cpu / r.images * 1e6:,.0f}" for name, cpu in r.threads if cpu > 0))
