@@ -104,7 +104,7 @@ class NaiveCqlDataset:
 
         if self._session is None:
             from dataferry.schema import parse_store_url
-            from dataferry.schema._cqlconnect import connect
+            from dataferry.schema.sources.cassandra._connect import connect
 
             opts = parse_store_url(self.url)
             _, self._session, _ = connect(opts)

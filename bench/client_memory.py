@@ -56,7 +56,7 @@ ALLOWANCE = 16 * MiB
 _PRELUDE = r"""
 import importlib, json, sys, time
 for name in ("sqlite3", "numpy.random", "numpy.ma", "uvloop", "aiohttp", "dataferry.client",
-             "dataferry.client._http", "dataferry.schema._open", "dataferry.schema._sqlite"):
+             "dataferry.schema.sources.http._source", "dataferry.schema.sources._open", "dataferry.schema.sources._sqlite"):
     try:
         importlib.import_module(name)
     except ImportError:

@@ -12,7 +12,7 @@ process per RTT (the proxy is the only address the driver is given: a
 one-node cluster has no peers for it to discover past the proxy). Repeats are
 interleaved; the table shows medians. ``--paths hot,driver`` runs each link
 twice per repeat: sample reads on the store's hot path (the default,
-``schema/_cqlfast.py``) and, in rows marked "driver path", through the
+``schema/sources/cassandra/_hot.py``) and, in rows marked "driver path", through the
 driver's ``Session.execute_async`` as every read went before it (the hot
 path switched off in that child process only). ``--also OPTIONS`` (store URL
 options, given once per set) runs every link again with them, in rows named
@@ -43,7 +43,7 @@ Per run:
   sample, and of that the driver's IO thread's (libev's ``event_loop``: reading,
   decoding, callbacks) and the engine loop's (``dataferry-engine``: issuing
   requests, which for sample reads is the hot path's binding and sending,
-  ``schema/_cqlfast.py``, and batching); **set-up CPU** is the CPU before the
+  ``schema/sources/cassandra/_hot.py``, and batching); **set-up CPU** is the CPU before the
   first batch;
 * **the engine's window** over the run (``Loader.stats()``, from the first
   ``get()``): requests, ids per request, the mean requests in flight (the
@@ -56,7 +56,7 @@ frames of 110 KB (a sample's answer) written into a socket pair whose other end
 replaces a real pool connection's socket, and the connection's ``handle_read``
 called until every frame was handed to ``process_msg`` (replaced by a counter:
 no decoding). CPU of the reading thread per frame, for the driver's own libev
-reader and for dataferry's (``schema/_cqlconnect.py``, ``_frame_reader``).
+reader and for dataferry's (``schema/sources/cassandra/_driver_patches.py``, ``_frame_reader``).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def measure(url: str, batch_size: int, path: str = "hot") -> dict:
     import dataferry.client  # noqa: F401 - imported before the clock starts, as a training script would
 
     if path == "driver":
-        from dataferry.schema import _cassandra
+        from dataferry.schema.sources.cassandra import _store as _cassandra
 
         _cassandra._HOT = {}  # no statement is read on the hot path in this process
 
@@ -277,18 +277,19 @@ def read_path(frames: int, repeats: int) -> list[list[str]]:
 
     from cassandra.io.libevreactor import LibevConnection
 
-    from dataferry.schema import _cqlconnect, parse_store_url
+    from dataferry.schema import parse_store_url
+    from dataferry.schema.sources.cassandra import _connect
 
     from ._devcassandra import DevCassandra
 
     with tempfile.TemporaryDirectory(prefix="dataferry-bench-") as tmp, DevCassandra(tmp) as server:
-        cluster, session, _ = _cqlconnect.open_cluster(parse_store_url(server.url("bench")))
+        cluster, session, _ = _connect.open_cluster(parse_store_url(server.url("bench")))
         try:
             conn = next(c for c in list(cluster.connection_class.opened)
                         if not (c.is_control_connection or c.is_closed))
             readers = {
                 "the driver's (LibevConnection.handle_read)": LibevConnection.handle_read,
-                "dataferry's (_cqlconnect._frame_reader)": type(conn).handle_read,
+                "dataferry's (_driver_patches._frame_reader)": type(conn).handle_read,
             }
             rows = []
             for buffer in (None, 4 << 20):
@@ -299,7 +300,7 @@ def read_path(frames: int, repeats: int) -> list[list[str]]:
                     t = statistics.median(_read_path_once(conn, handle_read, frames, buffer) for _ in range(repeats))
                     rows.append([name, "4 MiB" if buffer else "default", f"{t * 1e6:.1f}", f"{0.11 / t / 1e3:.2f}"])
         finally:
-            _cqlconnect.shutdown(cluster)
+            _connect.shutdown(cluster)
         del session
     return rows
 

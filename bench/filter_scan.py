@@ -90,7 +90,7 @@ def _write(session, keyspace: str, samples: list[tuple], metas: list[tuple]) -> 
 
 async def _fill(url: str, dataset: str, n: int) -> float:
     """Write ``n`` samples of ``dataset``; the seconds it took."""
-    from dataferry.schema._cqlconnect import connect, shutdown
+    from dataferry.schema.sources.cassandra._connect import connect, shutdown
 
     opts = parse_store_url(url)
     cluster, session, _ = await asyncio.to_thread(connect, opts)
@@ -116,7 +116,7 @@ async def _fill(url: str, dataset: str, n: int) -> float:
 
 
 async def _scan(store, dataset: str, ids: np.ndarray, options, fields=None) -> tuple[float, int]:
-    from dataferry.schema._cqlscan import meta_pages
+    from dataferry.schema.sources.cassandra._scan import meta_pages
 
     t0, n = time.perf_counter(), 0
     async for page in meta_pages(store._session, store._opts.keyspace, dataset, ids, fields=fields,
@@ -127,7 +127,7 @@ async def _scan(store, dataset: str, ids: np.ndarray, options, fields=None) -> t
 
 
 async def _by_id(store, dataset: str, ids: np.ndarray) -> tuple[float, int]:
-    from dataferry.schema._cqlscan import ScanOptions, meta_pages
+    from dataferry.schema.sources.cassandra._scan import ScanOptions, meta_pages
 
     t0, n = time.perf_counter(), 0
     async for page in meta_pages(store._session, store._opts.keyspace, dataset, ids, fields=None,
@@ -138,7 +138,7 @@ async def _by_id(store, dataset: str, ids: np.ndarray) -> tuple[float, int]:
 
 
 def _variants():
-    from dataferry.schema._cqlscan import ScanOptions
+    from dataferry.schema.sources.cassandra._scan import ScanOptions
 
     cols = frozenset({"label", "width", "path", "tags"})  # what WHERE reads
     return [
@@ -186,7 +186,7 @@ def _load() -> str:
 
 
 async def _bench(url: str, dataset: str, n: int | None, args) -> None:
-    from dataferry.schema._cqlscan import ScanOptions
+    from dataferry.schema.sources.cassandra._scan import ScanOptions
     from dataferry.schema._splits import derive_split
 
     if n is not None:

@@ -290,7 +290,7 @@ def _routed(name: str, servers: _Servers, route) -> _Servers:
 #: loaders: a run cannot inherit another's threads, sockets or leftovers, and
 #: its CPU is its own and its workers'. (The cassandra-driver IO thread that
 #: once spun a core half a minute after a CQL Loader closed is fixed at its
-#: root, in ``schema/_cqlconnect.py``; ``tests/test_cql_shutdown.py``.)
+#: root, in ``schema/sources/cassandra/_driver_patches.py``; ``tests/test_cql_shutdown.py``.)
 _PRELOAD = ["dataferry.bench._loaders", "dataferry.bench.webdataset_baseline", "dataferry.client", "numpy",
             "torch.utils.data", "webdataset", "cassandra.cluster", "dataferry.bench._s3peers"]  # missing: skipped
 

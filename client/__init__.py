@@ -4,15 +4,14 @@ See ``README.md`` in this folder for a map of the files and the data flow.
 """
 
 from dataferry.schema import CorruptSample, RequestRejected, TokenRefused, UndecodableSample
+from dataferry.schema.sources import HttpOptions, HttpSource, MemorySource
 
 from ._dali import DaliIterator, DaliOptions
 from ._types import Batch, SampleFailed
-from ._http import HttpOptions, HttpSource
 from ._imagebatch import ImageBatch
 from ._attribution import Interval
 from ._loader import Loader, LoaderEpoch
 from ._metrics import ClientMetrics, serve_metrics
-from ._memory import MemorySource
 from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
 from ._stats import Stats
 from ._torch import TorchIterator

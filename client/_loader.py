@@ -18,8 +18,6 @@ engine's figures and the consumer's (``_stats.py``).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
 import logging
 import math
 import queue
@@ -28,8 +26,9 @@ import weakref
 from typing import TYPE_CHECKING, Literal
 
 from dataferry.schema import (
-    ALL_SPLIT, ConfigError, DataferryError, IdList, LoopThread, SampleSource, content_hash, redact_url,
+    ALL_SPLIT, ConfigError, DataferryError, IdList, LoopThread, SampleSource, content_hash,
 )
+from dataferry.schema.sources import source_factory
 
 from ._engine import Run
 from ._retry import describe_source, retrying
@@ -42,7 +41,7 @@ from ._attribution import Attributor, Interval
 from ._stats import MAX_IDS, Counters, Stats, Taken, snapshot
 
 if TYPE_CHECKING:
-    from ._http import HttpOptions
+    from dataferry.schema.sources import HttpOptions
 
 __all__ = ["Loader", "LoaderEpoch"]
 
@@ -58,39 +57,12 @@ class _Failed:
         self.exc = exc
 
 
-async def _open_source(source, token_file: str | None = None) -> tuple[SampleSource, bool]:
-    if not isinstance(source, str):
-        if hasattr(source, "fetch"):
-            return source, False
-        return await source(), True  # an async factory, run on the engine's loop
-    if source.startswith(("http://", "https://")):
-        from ._http import HttpSource  # the data service client
-
-        return await HttpSource.open(source, token_file=token_file), True
-    from dataferry.schema import open_store
-
-    return await open_store(source, create=False), True
-
-
-def _service_factory(url, *, token: str | None, token_file: str | None, ca_file: str | None,
-                     http: HttpOptions | None):
-    """The data service at ``url`` as an async factory for the engine's loop, with the token
-    (``token`` or ``token_file``), the CA bundle and the options given to the Loader."""
-    given = ", ".join(f"{k}=" for k, v in dict(token=token, token_file=token_file, ca_file=ca_file,
-                                                 http=http).items() if v is not None)
-    if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
-        raise ConfigError(f"{given} {'is' if given.count('=') == 1 else 'are'} for a data service URL "
-                          "(http(s)://...); give an HttpSource factory its own")
-    if ca_file is not None and not url.startswith("https://"):
-        raise ConfigError(f"ca_file= verifies an https:// service; {redact_url(url)} is plain HTTP")
-    if token is not None and token_file is not None:
-        raise ConfigError("pass token= or token_file=, not both")
-    from ._http import HttpOptions, HttpSource  # the data service client
-
-    options = http if http is not None else HttpOptions()
-    if ca_file is not None:
-        options = dataclasses.replace(options, ca_file=ca_file)
-    return functools.partial(HttpSource.open, url, token=token, token_file=token_file, options=options)
+async def _open_source(source) -> tuple[SampleSource, bool]:
+    """``source`` as the engine holds it: a source object given (not owned), or what an
+    async factory opens on the engine's loop (owned: closed with the Loader)."""
+    if hasattr(source, "fetch"):
+        return source, False
+    return await source(), True
 
 
 async def _derive(source, dataset: str, where: str, parent: str):
@@ -180,8 +152,8 @@ class Loader:
         if log_interval is not None and log_interval <= 0:
             raise ConfigError(f"log_interval must be > 0 seconds, not {log_interval}")
         service = dict(token=token, token_file=token_file, ca_file=ca_file, http=http)
-        if any(v is not None for v in service.values()):
-            source = _service_factory(source, **service)
+        if isinstance(source, str) or any(v is not None for v in service.values()):
+            source = source_factory(source, create=False, **service)  # the one URL dispatcher
         if order not in ("completion", "input"):
             raise ConfigError(f"order must be 'completion' or 'input', not {order!r}")
         if ids is None and hasattr(source, "fetch") and not hasattr(source, "read_split"):

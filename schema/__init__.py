@@ -1,11 +1,13 @@
 """dataferry.schema: the data layer.
 
-The data model, the error tree, the one store seam (:class:`SampleSource` /
-:class:`Store`) and its backends (SQLite, Cassandra/ScyllaDB), the CQL schema,
-and ingest: the lowest floor, importing no other dataferry package. Its
-public face: ``__all__`` (a training script's names) and ``_SHARED`` (what the
-server, the client and the CLI in ``cli/`` take from the contract); other
-packages import nothing else of it. See ``README.md`` for a map of the files.
+The data model, the error tree, the one source seam (:class:`SampleSource` /
+:class:`Store`), the CQL schema and ingest; every source (SQLite,
+Cassandra/ScyllaDB, the data service's HTTP client, memory) lives in
+``sources/``, behind its one URL dispatcher. The lowest floor, importing no
+other dataferry package. Its public face: ``__all__`` (a training script's
+names), ``_SHARED`` (what the server, the client and the CLI in ``cli/`` take
+from the contract) and ``dataferry.schema.sources``; other packages import
+nothing else of it. See ``README.md`` for a map of the files.
 
 Attributes are imported lazily (PEP 562) so ``dataferry --help`` stays fast.
 """
@@ -24,7 +26,7 @@ _WHERE = {
     ),
     "_model": "Sample SampleMeta DatasetInfo SplitInfo IdList sample_id sample_checksum check_name ALL_SPLIT",
     "_store": "SampleSource Store SampleRecord FetchResult",
-    "_open": "open_store",
+    "sources": "open_store",
     "_url": "parse_store_url SqliteOptions CassandraOptions DEFAULT_STORE_URL",
     "_tokens": "read_token_file",
     "_ingest": "ingest IngestOptions IngestReport",

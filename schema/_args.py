@@ -40,7 +40,7 @@ def run(coro) -> object:
 
 async def with_store(url: str, fn, *, create: bool = True):
     """``await fn(store)`` with the store at ``url`` open, closing it after."""
-    from ._open import open_store
+    from .sources import open_store
 
     store = await open_store(url, create=create)
     try:

@@ -98,7 +98,7 @@ def _execute(session, stmt: str) -> str:
 
 def apply_schema_sync(opts: CassandraOptions) -> list[str]:
     """Blocking form of :func:`apply_schema`."""
-    from ._cqlconnect import connect, shutdown, translate, where
+    from .sources.cassandra._connect import connect, shutdown, translate, where
 
     cluster, session, _ = connect(opts, max_schema_agreement_wait=_DDL_TIMEOUT)
     applied: list[str] = []

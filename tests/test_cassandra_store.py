@@ -37,7 +37,7 @@ from dataferry.schema import (
     parse_store_url,
     sample_id,
 )
-from dataferry.schema._cqlconnect import _ssl_context
+from dataferry.schema.sources.cassandra._connect import _ssl_context
 from dataferry.schema._ddl import apply_schema, schema_statements
 from dataferry.schema._model import SPLIT_CHUNK
 
@@ -358,7 +358,7 @@ def test_dev_server_without_java_says_what_to_install(monkeypatch):
 
 # --- connection options, no server needed ----------------------------------------------
 def test_the_default_consistency_is_a_local_quorum_with_three_replicas_or_more():
-    from dataferry.schema._cassandra import default_consistency
+    from dataferry.schema.sources.cassandra._store import default_consistency
 
     simple = "org.apache.cassandra.locator.SimpleStrategy"
     nts = "org.apache.cassandra.locator.NetworkTopologyStrategy"

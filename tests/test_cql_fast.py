@@ -1,4 +1,4 @@
-"""The hot read path (``schema/_cqlfast.py``): its RESULT decoder at protocol v4, against
+"""The hot read path (``schema/sources/cassandra/_hot.py``): its RESULT decoder at protocol v4, against
 the driver's own decoder (byte-level, no server), and a store reading through it on a real server:
 samples sent without ``execute_async``, and what the server refuses sent again the driver's way and
 translated as before.
@@ -14,10 +14,10 @@ import uuid
 import pytest
 
 from dataferry.schema import Sample, SampleNotFound, StoreUnavailable, open_store, parse_store_url
-from dataferry.schema._cqlfast import _decoder, decode_rows, execute_message, readable
+from dataferry.schema.sources.cassandra._hot import _decoder, decode_rows, execute_message, readable
 from test_cassandra_store import records
 
-V = 4  # the protocol version spoken (schema/_cqlconnect.py)
+V = 4  # the protocol version spoken (schema/sources/cassandra/_driver_patches.py)
 TYPES = ("int", "blob", "blob")
 OPTION = {"int": 0x0009, "blob": 0x0003, "bigint": 0x0002, "varchar": 0x000D}
 

@@ -21,7 +21,7 @@ import pytest
 
 from dataferry.bench._latency_proxy import LinkOptions, ProxyThread
 from dataferry.schema import ALL_SPLIT, DatasetInfo, Sample, StoreUnavailable, open_store, parse_store_url
-from dataferry.schema._cqlconnect import connect
+from dataferry.schema.sources.cassandra._connect import connect
 from server_kit import run, seed, seed_url
 from test_cql_shutdown import _assert_quiet, _baseline
 
@@ -131,7 +131,7 @@ def _fed_pool_connection(dataset, got: list, hand_over):
     ``got.append(hand_over(frame, body))``."""
     import struct
 
-    from dataferry.schema._cqlconnect import open_cluster, shutdown
+    from dataferry.schema.sources.cassandra._connect import open_cluster, shutdown
 
     url, _, _ = dataset
     cluster, session, _ = open_cluster(parse_store_url(_url(url)))  # the session holds the pool
@@ -311,7 +311,7 @@ def test_on_scylladb_the_control_connection_reads_system_peers_without_trying_pe
     The control connection's OPTIONS answer (sent beside its STARTUP) tells ScyllaDB by its
     ``SCYLLA_*`` options; told so (here by hand: this server is Cassandra 5.0), the peers query
     goes to ``system.peers`` at once, in the same exchange as REGISTER."""
-    from dataferry.schema import _cqlconnect
+    from dataferry.schema.sources.cassandra import _driver_patches as _cqlconnect
 
     assert _cqlconnect._is_scylla({"SCYLLA_SHARD": ["0"], "SCYLLA_NR_SHARDS": ["4"], "COMPRESSION": ["lz4"]})
     assert not _cqlconnect._is_scylla({"CQL_VERSION": ["3.4.7"], "COMPRESSION": ["snappy", "lz4"],
@@ -396,7 +396,7 @@ def test_the_frame_reader_hands_over_every_frame_whole_however_the_bytes_arrive(
     header, or one byte; the buffer grows for a large frame and shrinks back once empty."""
     import random
 
-    from dataferry.schema._cqlconnect import _READ_SIZE
+    from dataferry.schema.sources.cassandra._driver_patches import _READ_SIZE
 
     got: list[tuple[int, bytes]] = []
     with _fed_pool_connection(dataset, got, lambda frame, body: (frame.stream, body)) as (conn, header, feed):
@@ -425,7 +425,7 @@ def test_the_frame_reader_hands_a_hot_reads_body_in_place_and_the_rest_as_bytes(
     bytes. Either way byte-exact and in order, however the bytes arrive."""
     import random
 
-    from dataferry.schema._cqlconnect import _READ_SIZE
+    from dataferry.schema.sources.cassandra._driver_patches import _READ_SIZE
 
     def in_place():
         pass
@@ -464,7 +464,7 @@ def test_the_bench_measures_either_read_path(dataset, monkeypatch):
     from cassandra.cluster import Session
 
     from dataferry.bench import cql_path
-    from dataferry.schema import _cassandra
+    from dataferry.schema.sources.cassandra import _store as _cassandra
 
     url, name, data = dataset
     monkeypatch.setattr(cql_path, "DATASET", name)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dataferry.schema import ingest, open_store, parse_store_url, sample_id
-from dataferry.schema._cqlconnect import connect
+from dataferry.schema.sources.cassandra._connect import connect
 
 from oddfiles import build_odd_tree
 

@@ -25,7 +25,7 @@ from dataferry.client import Loader
 from dataferry.bench._latency_proxy import LinkOptions, ProxyThread
 from dataferry.schema import Sample, StoreUnavailable, open_store, parse_store_url
 from server_kit import seed_url
-from dataferry.schema._cqlconnect import connect
+from dataferry.schema.sources.cassandra._connect import connect
 
 pytestmark = pytest.mark.cassandra
 

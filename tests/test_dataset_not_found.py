@@ -12,7 +12,7 @@ import pickle
 import pytest
 
 from dataferry.client import Loader
-from dataferry.client._http import HttpSource
+from dataferry.schema.sources.http._source import HttpSource
 from dataferry.schema import DatasetNotFound, NotFound, SplitNotFound, open_store, parse_store_url
 from dataferry.server import ServerOptions, make_app
 from server_kit import live_server, make_samples, run, seed_url

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from dataferry.client import Hedge, HttpOptions, HttpSource, Loader, Prefetch, Retry
-from dataferry.client._conn import KEEPALIVE
+from dataferry.schema.sources.http._pool import KEEPALIVE
 from dataferry.schema._aio import LoopThread
 from server_kit import RawHttpServer, live_server, make_samples, run, seeded_db
 from dataferry.server import make_app

@@ -365,7 +365,7 @@ async def _read(url, split):
 def test_a_keyspace_without_the_derived_table_opens_and_says_how_to_add_it(cassandra_server):
     from dataferry.schema import parse_store_url
     from dataferry.schema._ddl import apply_schema
-    from dataferry.schema._cqlconnect import connect
+    from dataferry.schema.sources.cassandra._connect import connect
 
     host, port = cassandra_server
     url = f"cassandra://{host}:{port}/dfo_{uuid.uuid4().hex[:10]}"
@@ -610,7 +610,7 @@ def _reference(rows: list[SampleMeta], parent: IdList, text: str) -> list[int]:
 
 @pytest.mark.cassandra
 def test_token_range_scans_select_exactly_what_reads_by_id_select(cassandra_url, tmp_path):
-    from dataferry.schema._cqlscan import ScanOptions, meta_pages
+    from dataferry.schema.sources.cassandra._scan import ScanOptions, meta_pages
     from dataferry.schema._splits import filter_fields
 
     a, b = f"scan_a_{uuid.uuid4().hex[:8]}", f"scan_b_{uuid.uuid4().hex[:8]}"  # two datasets, one keyspace
@@ -665,7 +665,7 @@ def test_token_range_scans_select_exactly_what_reads_by_id_select(cassandra_url,
 
 @pytest.mark.cassandra
 def test_token_ranges_cover_the_ring_once_and_small_parents_are_read_by_id(cassandra_url):
-    from dataferry.schema._cqlscan import meta_pages, token_ranges
+    from dataferry.schema.sources.cassandra._scan import meta_pages, token_ranges
 
     async def go():
         async with await open_store(cassandra_url) as store:
@@ -751,7 +751,7 @@ class FlakySession:
 
 @pytest.mark.cassandra
 def test_a_scan_asks_a_failed_page_again_from_where_it_stopped(cassandra_url):
-    from dataferry.schema._cqlscan import ScanOptions, meta_pages
+    from dataferry.schema.sources.cassandra._scan import ScanOptions, meta_pages
 
     a, b = f"flaky_a_{uuid.uuid4().hex[:8]}", f"flaky_b_{uuid.uuid4().hex[:8]}"
 
@@ -777,7 +777,7 @@ def test_a_scan_asks_a_failed_page_again_from_where_it_stopped(cassandra_url):
 
 
 def test_token_ranges_without_the_ring_cut_it_evenly():
-    from dataferry.schema._cqlscan import token_ranges
+    from dataferry.schema.sources.cassandra._scan import token_ranges
 
     ranges = token_ranges(types.SimpleNamespace(metadata=None), "ks", 10)
     assert len(ranges) == 10 and ranges[0][0] == -(2**63) and ranges[-1][1] == 2**63 - 1

@@ -1,6 +1,6 @@
-"""The HTTP data plane: HttpSource's own HTTP/1.1 client (client/_conn.py), the
+"""The HTTP data plane: HttpSource's own HTTP/1.1 client (schema/sources/http/_connection.py), the
 incremental frame decoder (schema/_wire.py FrameDecoder) and the receive
-buffers (client/_buffers.py), against the real app on loopback (plain and TLS)
+buffers (schema/sources/http/_buffers.py), against the real app on loopback (plain and TLS)
 and against hand-written answers that cut and frame the bytes every way
 HTTP/1.1 allows.
 """
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from dataferry.client import Loader, Prefetch
-from dataferry.client._buffers import BufferPool, size_class
-from dataferry.client._http import HttpOptions, HttpSource
+from dataferry.schema.sources.http._buffers import BufferPool, size_class
+from dataferry.schema.sources.http._source import HttpOptions, HttpSource
 from dataferry.schema import Sample, SampleNotFound, open_store
 from dataferry.schema._errors import ProtocolMismatch, StoreError, StoreTimeout, StoreUnavailable
 from dataferry.schema._wire import EndRecord, FrameDecoder, encode_end, encode_error, encode_not_found, encode_sample

@@ -1,5 +1,5 @@
-"""The receive path's per-request and per-read work (client/_conn.py,
-client/_buffers.py, schema/_wire.py): what it must not do again for every
+"""The receive path's per-request and per-read work (schema/sources/http/_connection.py,
+schema/sources/http/_buffers.py, schema/_wire.py): what it must not do again for every
 request or read, counted (never timed), against real sockets on loopback.
 The bench that times it is ``python -m dataferry.bench.client_cpu``."""
 
@@ -10,9 +10,9 @@ import hashlib
 
 import pytest
 
-from dataferry.client._buffers import BufferPool
-from dataferry.client._conn import Connection
-from dataferry.client._http import HttpOptions, HttpSource
+from dataferry.schema.sources.http._buffers import BufferPool
+from dataferry.schema.sources.http._connection import Connection
+from dataferry.schema.sources.http._source import HttpOptions, HttpSource
 from dataferry.schema._errors import StoreTimeout
 from dataferry.schema._wire import encode_end, encode_sample
 from server_kit import RawHttpServer, make_samples, run

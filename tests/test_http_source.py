@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from dataferry.client import Hedge, Loader, Prefetch, Retry
-from dataferry.client._http import HttpOptions, HttpSource, RequestRejected, TokenRefused
+from dataferry.schema.sources.http._source import HttpOptions, HttpSource, RequestRejected, TokenRefused
 from dataferry.schema import Sample, open_store
 from dataferry.schema._errors import ConfigError, StoreError, StoreTimeout, StoreUnavailable
 from dataferry.schema._wire import encode_end, encode_sample

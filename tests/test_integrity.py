@@ -257,7 +257,7 @@ def test_a_sample_that_fails_to_decode_goes_through_the_policy(make, tmp_path):
 
 # --- Cassandra ---------------------------------------------------------------------------------
 def _cql(url: str, *statements: str) -> list:
-    from dataferry.schema._cqlconnect import connect, shutdown
+    from dataferry.schema.sources.cassandra._connect import connect, shutdown
 
     cluster, session, _ = connect(parse_store_url(url))
     try:
@@ -300,7 +300,7 @@ def test_schema_apply_adds_the_column_to_an_older_keyspace(cassandra_server, dat
     samples = make_samples(6)
 
     async def old_rows():  # the rows an older ingest wrote (no checksum column to fill)
-        from dataferry.schema._cqlconnect import connect, shutdown
+        from dataferry.schema.sources.cassandra._connect import connect, shutdown
 
         cluster, session, _ = connect(opts)
         try:

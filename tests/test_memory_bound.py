@@ -55,8 +55,8 @@ _CHILD = r"""
 import importlib, json, sys, time
 
 # what opening a loader imports, imported before the baseline: code is not data
-for name in ("sqlite3", "numpy.random", "numpy.ma", "uvloop", "aiohttp", "dataferry.client._http",
-             "dataferry.schema._open", "dataferry.schema._sqlite"):
+for name in ("sqlite3", "numpy.random", "numpy.ma", "uvloop", "aiohttp", "dataferry.schema.sources.http._source",
+             "dataferry.schema.sources._open", "dataferry.schema.sources._sqlite"):
     try:
         importlib.import_module(name)
     except ImportError:

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from dataferry.client import Loader
-from dataferry.client._http import HttpSource, RequestRejected
+from dataferry.schema.sources.http._source import HttpSource, RequestRejected
 from dataferry.schema._errors import DataferryError, StoreUnavailable
 from server_kit import live_server, run, serve
 

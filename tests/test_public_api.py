@@ -23,6 +23,7 @@ PUBLIC = {
         "TargetKind",
     ],
     "dataferry.server": ["ServerOptions", "make_app", "Runner"],
+    "dataferry.schema.sources": ["open_source", "open_store", "source_factory", "MemorySource", "HttpSource", "HttpOptions"],
 }
 
 
@@ -58,7 +59,7 @@ def test_schema_shares_a_pinned_set_with_the_other_packages():
         assert getattr(schema, name) is not None, name
 
 
-@pytest.mark.parametrize("backend", ["dataferry.schema._sqlite:SqliteStore", "dataferry.schema._cassandra:CassandraStore"])
+@pytest.mark.parametrize("backend", ["dataferry.schema.sources._sqlite:SqliteStore", "dataferry.schema.sources.cassandra._store:CassandraStore"])
 def test_every_backend_implements_the_whole_store_protocol(backend):
     import inspect
 

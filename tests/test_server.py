@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from dataferry.client._http import HttpOptions, HttpSource, TokenRefused
+from dataferry.schema.sources.http._source import HttpOptions, HttpSource, TokenRefused
 from dataferry.schema import DatasetNotFound, IdList, Sample, SampleNotFound, SplitNotFound, open_store
 from dataferry.schema._errors import ConfigError, ProtocolMismatch, StoreTimeout, StoreUnavailable, TLSFailed
 from dataferry.schema._wire import FRAMES_TYPE, IDLIST_TYPE, EndRecord, ErrorRecord, decode_idlist, encode_ids

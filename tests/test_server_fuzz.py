@@ -18,7 +18,7 @@ import schemathesis
 from schemathesis import GenerationMode
 from schemathesis.checks import positive_data_acceptance
 
-from dataferry.client._http import HttpSource
+from dataferry.schema.sources.http._source import HttpSource
 from dataferry.schema import Sample
 from dataferry.server import ServerOptions, make_app
 from server_kit import SPEC_PATH, live_server, make_samples, seeded_db

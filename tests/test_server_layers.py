@@ -51,7 +51,7 @@ def test_relative_imports_are_resolved(tmp_path):
 
 @pytest.mark.parametrize(("side", "other"), [("server", "client"), ("client", "server")])
 def test_importing_a_side_loads_nothing_of_the_other(side, other):
-    mods = {"server": "dataferry.server._app, dataferry.server.cli", "client": "dataferry.client, dataferry.client._http"}
+    mods = {"server": "dataferry.server._app, dataferry.server.cli", "client": "dataferry.client, dataferry.schema.sources.http._source"}
     code = f"import sys, {mods[side]}; print([m for m in sys.modules if m.startswith('dataferry.{other}')])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", f"importing dataferry.{side} loaded {out.strip()}"

@@ -1,17 +1,71 @@
-"""``open_store``: a store URL in, a connected :class:`Store` out."""
+"""The one URL dispatcher: a URL in, a connected source out.
+
+``open_source`` opens every source dataferry has by its URL: ``http(s)://`` the
+data service (:class:`~dataferry.schema.sources.HttpSource`), ``sqlite:`` and
+``cassandra://`` a store (``open_store``, which the server serves). A source's
+module is imported only when its URL is opened, so the CLI starts fast.
+"""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from ._store import Store
-from ._url import DEFAULT_STORE_URL, CassandraOptions, SqliteOptions, parse_store_url
+from .._errors import ConfigError
+from .._store import SampleSource, Store
+from .._url import DEFAULT_STORE_URL, CassandraOptions, SqliteOptions, parse_store_url, redact_url
 
-__all__ = ["open_store"]
+if TYPE_CHECKING:
+    from .http._options import HttpOptions
+
+__all__ = ["open_source", "open_store", "source_factory"]
 
 #: ``PRAGMA mmap_size`` of a served SQLite file whose URL names none: all of it
 #: (SQLite caps this at its build's limit, 2 GiB by default)
 SERVED_MMAP_SIZE = 1 << 40
+#: the schemes of the data service's URLs
+_SERVICE = ("http://", "https://")
+
+
+async def open_source(url: str = DEFAULT_STORE_URL, *, token: str | None = None, token_file: str | None = None,
+                      ca_file: str | None = None, http: HttpOptions | None = None, create: bool = True,
+                      serving: bool = False) -> SampleSource:
+    """The source at ``url``: a data service (``http(s)://``, reached with ``token`` or
+    ``token_file``, the CA bundle ``ca_file`` and ``http`` options) or a store (``sqlite:``,
+    ``cassandra://``, opened as :func:`open_store` does with ``create`` and ``serving``)."""
+    return await source_factory(url, token=token, token_file=token_file, ca_file=ca_file, http=http,
+                                create=create, serving=serving)()
+
+
+def source_factory(url: str, *, token: str | None = None, token_file: str | None = None,
+                   ca_file: str | None = None, http: HttpOptions | None = None, create: bool = True,
+                   serving: bool = False) -> Callable[[], Awaitable[SampleSource]]:
+    """:func:`open_source` with its arguments checked now and the opening left for later:
+    a coroutine function of no arguments (the Loader runs it on its engine's loop).
+
+    ``token``, ``token_file``, ``ca_file`` and ``http`` are for a data service URL only;
+    ``ca_file`` for an ``https://`` one; ``token`` and ``token_file`` exclude each other.
+    """
+    service = dict(token=token, token_file=token_file, ca_file=ca_file, http=http)
+    given = ", ".join(f"{k}=" for k, v in service.items() if v is not None)
+    if not (isinstance(url, str) and url.startswith(_SERVICE)):
+        if given:
+            raise ConfigError(f"{given} {'is' if given.count('=') == 1 else 'are'} for a data service URL "
+                              "(http(s)://...); give an HttpSource factory its own")
+        return functools.partial(open_store, url, create=create, serving=serving)
+    if ca_file is not None and not url.startswith("https://"):
+        raise ConfigError(f"ca_file= verifies an https:// service; {redact_url(url)} is plain HTTP")
+    if token is not None and token_file is not None:
+        raise ConfigError("pass token= or token_file=, not both")
+    from .http._options import HttpOptions
+    from .http._source import HttpSource
+
+    options = http if http is not None else HttpOptions()
+    if ca_file is not None:
+        options = replace(options, ca_file=ca_file)
+    return functools.partial(HttpSource.open, url, token=token, token_file=token_file, options=options)
 
 
 async def open_store(url: str = DEFAULT_STORE_URL, *, create: bool = True, serving: bool = False) -> Store:
@@ -20,7 +74,6 @@ async def open_store(url: str = DEFAULT_STORE_URL, *, create: bool = True, servi
     ``create`` makes the SQLite file and its tables when missing. Cassandra's
     schema is applied separately (``dataferry schema apply``), since it needs
     replication choices; a missing keyspace raises StoreUnavailable naming it.
-    Backends are imported here, lazily, so the CLI starts fast.
 
     ``serving``: opened by a long-lived data server (``dataferry serve``). A
     SQLite file is then read through mmap unless the URL names ``mmap_size``:
@@ -38,6 +91,6 @@ async def open_store(url: str = DEFAULT_STORE_URL, *, create: bool = True, servi
             opts = replace(opts, mmap_size=SERVED_MMAP_SIZE)
         return await SqliteStore.open(opts, url=url, create=create)
     assert isinstance(opts, CassandraOptions)
-    from ._cassandra import CassandraStore
+    from .cassandra._store import CassandraStore
 
     return await CassandraStore.open(opts, url=url)

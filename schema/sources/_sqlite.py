@@ -20,11 +20,11 @@ import threading
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from ._errors import DatasetNotFound, SampleNotFound, SplitNotFound, StoreError, StoreTimeout, StoreUnavailable
-from ._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo, check_name, sample_checksum
-from ._splits import DerivedSplit
-from ._store import FetchResult, SampleRecord
-from ._url import SqliteOptions
+from .._errors import DatasetNotFound, SampleNotFound, SplitNotFound, StoreError, StoreTimeout, StoreUnavailable
+from .._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo, check_name, sample_checksum
+from .._splits import DerivedSplit
+from .._store import FetchResult, SampleRecord
+from .._url import SqliteOptions
 
 __all__ = ["SqliteStore"]
 

@@ -39,7 +39,12 @@ _TYPES = {"int": (0x0009, lambda b: _INT.unpack(b)[0]), "bigint": (0x0002, lambd
 
 
 class Again(Exception):
-    """A hot read that must go again through the driver's request path (``cause``: what it got)."""
+    """A hot read that must go again through the driver's request path (``cause``: what it got).
+
+    A private control-flow signal, never raised: handed in an answer's error slot to the
+    store (``_store.py`` ``_drain``), which sends the read again through ``execute_async``.
+    No caller sees it, so it is not in the error tree of ``schema/_errors.py``.
+    """
 
     def __init__(self, ps, params: tuple, cause: object) -> None:
         super().__init__(f"sent again through the driver after: {cause!r}")

@@ -20,8 +20,8 @@ from operator import itemgetter
 
 import numpy as np
 
-from ._errors import ConfigError
-from ._model import SampleMeta
+from ..._errors import ConfigError
+from ..._model import SampleMeta
 
 __all__ = ["ScanOptions", "meta_columns", "meta_pages", "token_ranges"]
 

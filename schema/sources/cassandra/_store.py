@@ -2,12 +2,12 @@
 
 One prepared statement per request, one partition per sample: every read is a
 token-aware single-partition lookup. Sample reads take the hot path
-(``_cqlfast.HotReads``); everything else goes through ``execute_async``, with
+(``_hot.HotReads``); everything else goes through ``execute_async``, with
 answers crossing to the event loop once per burst. ``opts.concurrency``
 bounds the requests in flight. Every request runs at one consistency (the
 URL's, or :func:`default_consistency`: LOCAL_QUORUM with 3+ replicas, else
 ONE); writes name only the columns they set. Opening prepares the read path
-on the first pool connection during set-up (``_cqlconnect.open_cluster``);
+on the first pool connection during set-up (``_connect.open_cluster``);
 ``close()`` lets requests in flight answer (at most ``_CLOSE_GRACE_S``), then
 shuts the cluster down. In detail: README.md, The Cassandra path.
 """
@@ -20,85 +20,23 @@ from collections import deque
 from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
 from contextlib import aclosing
 
-from ._cqlconnect import open_cluster, shutdown, translate, where
-from ._cqlfast import Again, HotReads
-from ._errors import DatasetNotFound, SampleNotFound, SplitNotFound, StoreError, StoreUnavailable
-from ._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo, check_name, sample_checksum
-from ._splits import DerivedSplit
-from ._store import FetchResult, SampleRecord
-from ._url import CassandraOptions, redact_url
+from ._connect import open_cluster, shutdown, translate, where
+from ._hot import Again, HotReads
+from ._statements import EAGER, REPLICATION, STATEMENTS, default_consistency, no_checksum_column, no_keyspace
+from ..._errors import DatasetNotFound, SampleNotFound, SplitNotFound, StoreError, StoreUnavailable
+from ..._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo, check_name, sample_checksum
+from ..._splits import DerivedSplit
+from ..._store import FetchResult, SampleRecord
+from ..._url import CassandraOptions, redact_url
 
 __all__ = ["CassandraStore"]
 
 #: How long ``close()`` waits for requests in flight to answer before shutting the cluster down.
 _CLOSE_GRACE_S = 2.0
 
-# name -> CQL with {ks}
-_STATEMENTS = {
-    "fetch": "SELECT label, data, target, xxh3 FROM {ks}.samples WHERE dataset=? AND id=?",
-    # a keyspace made before samples kept their checksum (until `schema apply` adds the column)
-    "fetch_v0": "SELECT label, data, target FROM {ks}.samples WHERE dataset=? AND id=?",
-    "meta": "SELECT label, path, format, width, height, size, checksum, tags FROM {ks}.sample_meta "
-            "WHERE dataset=? AND id=?",
-    "exists": "SELECT id FROM {ks}.sample_meta WHERE dataset=? AND id=?",
-    # No null binds: a null written is a tombstone per row; a sample without target names fewer columns.
-    "put_sample": "INSERT INTO {ks}.samples (dataset, id, label, data, xxh3) VALUES (?,?,?,?,?)",
-    "put_sample_target": "INSERT INTO {ks}.samples (dataset, id, label, data, target, xxh3) VALUES (?,?,?,?,?,?)",
-    "put_meta": "INSERT INTO {ks}.sample_meta (dataset, id, label, path, format, width, height, size, checksum, "
-                "tags) VALUES (?,?,?,?,?,?,?,?,?,?)",
-    "datasets": "SELECT name, label_names, num_samples, created FROM {ks}.datasets",
-    "dataset": "SELECT name, label_names, num_samples, created FROM {ks}.datasets WHERE name=?",
-    "put_dataset": "INSERT INTO {ks}.datasets (name, label_names, num_samples, created) VALUES (?,?,?,?)",
-    "splits": "SELECT split, num_ids FROM {ks}.splits WHERE dataset=?",
-    "split": "SELECT num_ids, num_chunks FROM {ks}.splits WHERE dataset=? AND split=?",
-    "put_split": "INSERT INTO {ks}.splits (dataset, split, num_ids, num_chunks) VALUES (?,?,?,?)",
-    "del_split": "DELETE FROM {ks}.splits WHERE dataset=? AND split=?",
-    "chunk": "SELECT ids, labels FROM {ks}.split_chunks WHERE dataset=? AND split=? AND chunk=?",
-    "put_chunk": "INSERT INTO {ks}.split_chunks (dataset, split, chunk, ids, labels) VALUES (?,?,?,?,?)",
-    "del_chunk": "DELETE FROM {ks}.split_chunks WHERE dataset=? AND split=? AND chunk=?",
-    # derived_splits: prepared on first use like the rest, so a keyspace made before that
-    # table existed still opens, and says how to add it when used (_has_derived)
-    "derived": "SELECT parent, filter_text, created, num_ids, content_hash, parent_hash FROM {ks}.derived_splits "
-               "WHERE dataset=? AND split=?",
-    "put_derived": "INSERT INTO {ks}.derived_splits (dataset, split, parent, filter_text, created, num_ids, "
-                   "content_hash, parent_hash) VALUES (?,?,?,?,?,?,?,?)",
-}
-
-#: Statements read through the hot path (``_cqlfast.HotReads``): single-row reads of int and blob columns.
+#: Statements read through the hot path (``_hot.HotReads``): single-row reads of int and blob columns.
 _HOT = {"fetch": ("int", "blob", "blob", "bigint")}  # name -> the CQL types of its result columns
 _HOT_V0 = ("int", "blob", "blob")  # "fetch" prepared as "fetch_v0": a keyspace without the xxh3 column
-
-#: Prepared while the store opens, in parallel: what a Loader needs before its first batch
-#: (the split's id list, the samples), and what says whether the keyspace and tables exist.
-_EAGER = ("fetch", "split", "chunk", "dataset")
-
-
-#: the keyspace's replication, asked while the store opens (for the default consistency)
-_REPLICATION = "SELECT replication FROM system_schema.keyspaces WHERE keyspace_name='{ks}'"
-
-
-def default_consistency(replication: Mapping[str, str] | None, local_dc: str | None = None) -> str:
-    """``LOCAL_QUORUM`` when the keyspace keeps 3 or more replicas (in ``local_dc``, or in every
-    data centre when none is named), else ``ONE``.
-
-    With 3 replicas, a quorum survives a node down, and a read at quorum meets a write at quorum
-    on at least one replica: a replica back from an outage, before hints replay, cannot make a
-    sample look missing. With 1 or 2, a quorum would stop at one node down: ONE keeps serving.
-    """
-    if not replication:
-        return "ONE"
-    cls = replication.get("class", "").rsplit(".", 1)[-1]
-    if cls == "SimpleStrategy":
-        factors = [replication.get("replication_factor", "1")]
-    elif local_dc is not None:
-        factors = [replication.get(local_dc, "0")]
-    else:
-        factors = [v for k, v in replication.items() if k not in ("class", "replication_factor")]
-    try:
-        smallest = min(int(str(f).split("/")[0]) for f in factors) if factors else 1
-    except ValueError:  # not a replication map this knows: the level that works everywhere
-        return "ONE"
-    return "LOCAL_QUORUM" if smallest >= 3 else "ONE"
 
 
 def _quietly(aw) -> asyncio.Future:
@@ -113,18 +51,6 @@ def _quietly(aw) -> asyncio.Future:
 def _utc(created: _dt.datetime | None) -> _dt.datetime | None:
     """A ``timestamp`` column as read (the driver gives naive UTC) made aware."""
     return created.replace(tzinfo=_dt.timezone.utc) if created is not None else None
-
-
-def _no_keyspace(exc: BaseException, keyspace: str) -> bool:
-    """Whether the server said that ``keyspace`` does not exist (preparing a statement in it)."""
-    text = str(exc).lower()
-    return keyspace.lower() in text and "keyspace" in text and "not exist" in text
-
-
-def _no_checksum_column(exc: BaseException) -> bool:
-    """Whether preparing "fetch" failed because ``samples`` has no xxh3 column (an older keyspace)."""
-    text = str(exc).lower()
-    return "xxh3" in text and ("undefined column" in text or "unknown" in text or "no column" in text)
 
 
 def _refused_unsent(exc: BaseException) -> bool:
@@ -177,8 +103,8 @@ class CassandraStore:
 
     @classmethod
     async def open(cls, opts: CassandraOptions, *, url: str) -> CassandraStore:
-        queries = {n: _STATEMENTS[n].format(ks=opts.keyspace) for n in _EAGER}
-        ask = _REPLICATION.format(ks=opts.keyspace)
+        queries = {n: STATEMENTS[n].format(ks=opts.keyspace) for n in EAGER}
+        ask = REPLICATION.format(ks=opts.keyspace)
         cluster, session, early = await asyncio.to_thread(
             open_cluster, opts, prepare=tuple(queries.values()), ask=(ask,) if opts.consistency is None else ())
 
@@ -189,7 +115,7 @@ class CassandraStore:
                     ps = await asyncio.to_thread(cls._prepare, session, name, opts)
                 except Exception as exc:
                     ps = exc
-            if isinstance(ps, BaseException) and name == "fetch" and _no_checksum_column(ps):
+            if isinstance(ps, BaseException) and name == "fetch" and no_checksum_column(ps):
                 # a keyspace made before samples kept their checksum: read without it (nothing to verify)
                 ps = await asyncio.to_thread(cls._prepare, session, "fetch_v0", opts)
             if isinstance(ps, BaseException):
@@ -204,14 +130,14 @@ class CassandraStore:
                 rows = await asyncio.to_thread(lambda: [tuple(r) for r in session.execute(ask)])
             return dict(rows[0][0]) if rows else None
 
-        *prepared, replicas = await asyncio.gather(*(prepare(n) for n in _EAGER), replication(),
+        *prepared, replicas = await asyncio.gather(*(prepare(n) for n in EAGER), replication(),
                                                    return_exceptions=True)
         failed = next((p for p in (*prepared, replicas) if isinstance(p, BaseException)), None)
         if failed is not None:
             await asyncio.to_thread(shutdown, cluster)
             if not isinstance(failed, Exception):
                 raise failed
-            if _no_keyspace(failed, opts.keyspace):
+            if no_keyspace(failed, opts.keyspace):
                 raise StoreUnavailable(
                     f"cassandra store {where(opts)}: keyspace {opts.keyspace!r} does not exist; "
                     f"create it with: dataferry schema apply --store {redact_url(url)}"
@@ -228,7 +154,7 @@ class CassandraStore:
         from cassandra import ConsistencyLevel
 
         cluster.profile_manager.default.consistency_level = ConsistencyLevel.name_to_value[consistency]
-        store = cls(opts, url, cluster, session, dict(zip(_EAGER, prepared)), consistency)
+        store = cls(opts, url, cluster, session, dict(zip(EAGER, prepared)), consistency)
         store._background = _quietly(asyncio.to_thread(cluster.refresh_keyspace_metadata, opts.keyspace))
         return store
 
@@ -251,7 +177,7 @@ class CassandraStore:
 
     @staticmethod
     def _prepare(session, name: str, opts: CassandraOptions):
-        return session.prepare(_STATEMENTS[name].format(ks=opts.keyspace))
+        return session.prepare(STATEMENTS[name].format(ks=opts.keyspace))
 
     # --- plumbing: answers cross to the loop in bursts -------------------------------
     def _issue(self, ps, params: tuple, sink, key, hot: str | None = None) -> None:
@@ -526,7 +452,7 @@ class CassandraStore:
                 ((dataset, s.id, s.label, s.data, s.target, sample_checksum(s.data)) for s in targets), what,
             )
         except StoreError as exc:
-            if not _no_checksum_column(exc):
+            if not no_checksum_column(exc):
                 raise
             raise StoreError(
                 f"{self._named}: table samples has no xxh3 column (a keyspace made before samples kept "
@@ -570,13 +496,13 @@ class CassandraStore:
                         fields: Collection[str] | None = None) -> AsyncIterator[list[SampleMeta]]:
         """The metadata of the committed ones among ``ids``, a page at a time, in no order; fields
         not in ``fields`` are None. A token-range scan or reads by id, whichever costs less
-        (``_cqlscan.meta_pages``)."""
-        from . import _cqlscan
+        (``_scan.meta_pages``)."""
+        from . import _scan
 
         async def rows() -> int:  # the keyspace's metadata rows, as the datasets count them
             return sum(d.num_samples for d in await self.list_datasets())
 
-        pages = _cqlscan.meta_pages(self._session, self._opts.keyspace, dataset, ids, fields=fields,
+        pages = _scan.meta_pages(self._session, self._opts.keyspace, dataset, ids, fields=fields,
                                     timeout=self._opts.request_timeout, error=self._error, by_id=self.read_meta,
                                     rows=rows)
         async with aclosing(pages):

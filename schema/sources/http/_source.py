@@ -4,7 +4,7 @@
 :class:`~dataferry.schema.SampleSource` with the Loader's catalog reads;
 ``fetch`` sends one batch request per call and yields each record as its bytes
 arrive, in the server's completion order (the wire format: ``schema/_wire.py``).
-A keep-alive pool (``_conn.py``) carries every request; samples are
+A keep-alive pool (``_pool.py``) carries every request; samples are
 ``memoryview`` slices of pooled arenas (``_buffers.py``).
 
 Errors are translated here and name the URL (the table: :class:`HttpSource`).
@@ -22,7 +22,7 @@ import json
 import logging
 import ssl
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from urllib.parse import quote
 
 from yarl import URL
@@ -59,82 +59,14 @@ from dataferry.schema import (
     valid_token,
 )
 
-from ._buffers import ARENA, BufferPool
-from ._conn import Connection, HttpProtocolError, NotHttp, Pool, Unreachable, collector, read_body
+from ._buffers import BufferPool
+from ._options import HttpOptions, base_url, ssl_context
+from ._connection import Connection, HttpProtocolError, NotHttp, Unreachable, collector, read_body
+from ._pool import Pool
 
 __all__ = ["HttpSource", "HttpOptions", "TokenRefused", "RequestRejected"]
 
 log = logging.getLogger("dataferry.client")
-
-
-@dataclass(frozen=True, slots=True)
-class HttpOptions:
-    """How :class:`HttpSource` talks to the data service."""
-
-    #: keep-alive connections in the pool (requests in flight at once)
-    connections: int = 128
-    #: ids per batch request the engine should send (``preferred_request_size``).
-    #: Each request in flight has its own connection, and one connection carries
-    #: at most its TCP window per round trip: 32 x 110 KB = 3.5 MB stays under
-    #: Linux's usual 6 MiB window (deploy/TRAINING.md, "TCP windows")
-    request_size: int = 32
-    #: seconds to open a TCP (and TLS) connection
-    connect_timeout: float = 10.0
-    #: seconds of silence allowed while reading a response
-    read_timeout: float = 60.0
-    #: seconds an idle pooled connection may be reused: below the server's 75 s
-    #: (``keepalive_timeout``), so the client, not the server, closes idle
-    #: connections (no reuse races), and below the idle timeout of the
-    #: middleboxes seen dropping flows silently (a 30 s relay): a pause longer
-    #: than this costs a new handshake per connection, never a dead one
-    keepalive: float = 25.0
-    #: seconds a request sent on a connection that idled (1 s or more) waits for
-    #: its answer's first byte before it is sent again on a new connection (a
-    #: middlebox may have dropped the idle flow without a word); the deadline is
-    #: 4 x the slowest first byte of the last 64 answers when that is larger, so
-    #: a service that queues (its ``queue_timeout`` is 2 s) or a long link is
-    #: not cut short once seen. A request's own size hardly moves its first
-    #: byte: its body is 8 bytes an id, and the server answers once the first
-    #: sample is read. Taken for dead wrongly, a request costs a duplicate and a
-    #: handshake; 1.5 s keeps a dead connection's stall under 2 s
-    first_byte_timeout: float = 1.5
-    #: PEM bundle to verify the server's certificate with (default: system CAs)
-    ca_file: str | None = None
-    #: verify the server's certificate and host name (off only for testing)
-    verify: bool = True
-    #: read the bearer token from this file when ``open`` is given none: the
-    #: server's token file (one per line, # comments); the first token is sent,
-    #: and the file is read again when the service refuses it (a rotation)
-    token_file: str | None = None
-    #: bytes of received samples a response may hold, not yet taken by the
-    #: engine, before its socket is paused (backpressure to the server). Judged
-    #: once the loop has run what was ready (the engine, woken by the read,
-    #: among it), before the next read: a consumer that keeps up is never paused,
-    #: one that falls behind is, and may hold one read's worth more
-    read_buffer: int = 1 << 20
-    #: the largest record accepted (guards memory against a broken server)
-    max_record_bytes: int = 1 << 30
-    #: bytes of free receive arenas kept for reuse (see ``_buffers.py``). Free arenas
-    #: were all in use at once before, so keeping them never raises the process's peak;
-    #: the default is the default ``Prefetch.max_bytes``: below what a loader's arenas
-    #: swing by, each arena given back is soon made again (a page fault per 4 KiB)
-    spare_buffers: int = 512 << 20
-    #: bytes of one receive arena: samples are read many at a time into arenas
-    #: (``_buffers.py``); one sample kept after its batch keeps its arena from reuse
-    arena: int = ARENA
-    #: seconds ``derive_split`` waits for the service's derive job in all (its polls included)
-    derive_timeout: float = 3600.0
-
-    def __post_init__(self) -> None:
-        _check(self.connections >= 1, f"connections must be >= 1, not {self.connections}")
-        _check(self.request_size >= 1, f"request_size must be >= 1, not {self.request_size}")
-        _check(min(self.connect_timeout, self.read_timeout, self.keepalive, self.derive_timeout,
-                   self.first_byte_timeout) > 0,
-               "timeouts must be > 0")
-        _check(self.read_buffer >= 1 << 14, "read_buffer must be at least 16 KiB")
-        _check(self.max_record_bytes >= 1 << 16, "max_record_bytes must be at least 64 KiB")
-        _check(self.spare_buffers >= 0, f"spare_buffers must be >= 0, not {self.spare_buffers}")
-        _check(self.arena >= 1 << 16, f"arena must be at least 64 KiB, not {self.arena}")
 
 
 #: the longest a derive's request asks the service to hold its answer (seconds; at most half the read timeout)
@@ -154,30 +86,8 @@ _GATEWAY = (502, 503, 504)
 #: OpenSSL's reasons for a handshake answered by a peer that does not speak TLS (plain HTTP)
 _NOT_TLS = frozenset({"WRONG_VERSION_NUMBER", "HTTP_REQUEST", "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE",
                       "UNKNOWN_PROTOCOL", "RECORD_TOO_LARGE"})
-#: what the connection layer raises about the transport (``_conn.py``)
+#: what the connection layer raises about the transport (``_connection.py``, ``_pool.py``)
 _TRANSPORT_ERRORS = (OSError, EOFError, TimeoutError, HttpProtocolError)
-
-
-def _base_url(url: str) -> str:
-    try:
-        u = URL(url)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"invalid data service URL {url!r}: {exc}") from exc
-    _check(u.scheme in ("http", "https") and bool(u.host), f"data service URL {url!r} must be http(s)://host[:port]")
-    _check(not u.query_string and not u.fragment, f"data service URL {url!r} must have no query or fragment")
-    _check(u.user is None and u.password is None, f"data service URL {url!r}: pass the token with token=, not in the URL")
-    return str(u.with_path(u.path.rstrip("/"))).rstrip("/")
-
-
-def _ssl_context(options: HttpOptions) -> ssl.SSLContext:
-    try:
-        ctx = ssl.create_default_context(cafile=options.ca_file)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"cannot load CA file {options.ca_file!r}: {exc}") from exc
-    if not options.verify:
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    return ctx
 
 
 class HttpSource:
@@ -284,7 +194,7 @@ class HttpSource:
 
         Connects lazily: a dead server shows up as StoreUnavailable on the first call.
         """
-        base = _base_url(url)
+        base = base_url(url)
         if token_file is not None:
             _check(token is None, "pass token= or token_file=, not both")
             options = replace(options, token_file=token_file)
@@ -295,7 +205,7 @@ class HttpSource:
             _check(valid_token(token), "token must be non-empty printable ASCII without spaces")
         u = URL(base)
         pool = Pool(
-            u.host, u.port, ssl_context=_ssl_context(options) if u.scheme == "https" else None,
+            u.host, u.port, ssl_context=ssl_context(options) if u.scheme == "https" else None,
             connections=options.connections, connect_timeout=options.connect_timeout,
             read_timeout=options.read_timeout, keepalive=options.keepalive,
             first_byte_timeout=options.first_byte_timeout,

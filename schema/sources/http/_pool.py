@@ -1,0 +1,202 @@
+"""The keep-alive pool under :class:`HttpSource`: :class:`Pool` holds the
+connections (``Connection``, ``_connection.py``) to one ``host:port``, at most one exchange
+on each, and finds dead ones: TCP keepalive, an idle limit, and a first-byte
+deadline on a connection that idled (its request is then sent again on a new
+one). Connect failures are ``Unreachable``. The details:
+``bench/results/http_receive.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from ._connection import _IDLE, Connection, NotHttp, Unreachable
+
+__all__ = ["Pool", "KEEPALIVE"]
+
+#: TCP keepalive on every socket, where the platform has the option: (idle seconds before
+#: the first probe, seconds between probes, probes lost before the kernel ends the connection)
+KEEPALIVE = (10, 5, 3)
+#: seconds a pooled connection may idle before its next answer's first byte gets a deadline
+STALE_AFTER = 1.0
+#: first bytes remembered (seconds from a request sent to its answer's first byte)
+FIRST_BYTES = 64
+#: the first-byte deadline is at least this many times the slowest first byte remembered
+FIRST_BYTE_FACTOR = 4.0
+
+
+class Pool:
+    """Keep-alive connections to one ``host:port`` (TLS when ``ssl_context``),
+    at most ``connections`` exchanges at a time."""
+
+    def __init__(
+        self, host: str, port: int, *, ssl_context: ssl.SSLContext | None, connections: int,
+        connect_timeout: float, read_timeout: float, keepalive: float, first_byte_timeout: float = 1.5,
+    ) -> None:
+        self.host, self.port = host, port
+        self._ssl = ssl_context
+        self._connect_timeout, self._read_timeout, self._keepalive = connect_timeout, read_timeout, keepalive
+        self._first_byte = first_byte_timeout
+        self._slots = asyncio.Semaphore(connections)
+        self._idle: list[Connection] = []
+        self._open: set[Connection] = set()  # idle or in use: all are closed with the pool
+        #: seconds from a request sent to its answer's first byte, the last FIRST_BYTES answers
+        self._first_bytes: collections.deque[float] = collections.deque(maxlen=FIRST_BYTES)
+        self.resent = 0  # requests sent again on a new connection after a reused one gave no first byte
+        self._speaks_tls: bool | None = None  # whether the peer answered a TLS handshake (asked once)
+
+    def first_byte_deadline(self, holds: float = 0.0) -> float:
+        """Seconds a request sent on a connection that idled may wait for its first byte."""
+        slowest = max(self._first_bytes, default=0.0)
+        return max(self._first_byte, FIRST_BYTE_FACTOR * slowest) + holds
+
+    @asynccontextmanager
+    async def exchange(self, request: bytes, expect: str, on_200, *, pause_above: int = 1 << 62,
+                       holds: float = 0.0) -> AsyncIterator[Connection]:
+        """Send ``request`` on a pooled (or new) connection; yield it once the
+        answer's head has arrived (``conn.head``). The connection goes back to
+        the pool only when the answer was read to its end without error.
+        ``holds``: seconds the server may hold this answer on purpose (a
+        long poll), added to the first-byte deadline."""
+        await self._slots.acquire()
+        conn: Connection | None = None
+        reusable = False
+        try:
+            fresh = False
+            for attempt in range(2):
+                conn = None if fresh else self._warm()
+                reused = conn is not None
+                idled = time.monotonic() - conn.last_used if reused else 0.0
+                if conn is None:
+                    conn = await self._connect()
+                sent = time.monotonic()
+                conn.send(request, expect, on_200, pause_above)
+                try:
+                    if idled >= STALE_AFTER and attempt == 0:
+                        if not await self._first_byte_within(conn, self.first_byte_deadline(holds)):
+                            # a middlebox dropped the idle flow without a word: the others that idled as
+                            # long are as suspect; this request goes again on a new connection
+                            self._drop_idle(conn.last_used)
+                            conn.close()
+                            conn, fresh = None, True
+                            self.resent += 1
+                            continue
+                    while conn.head is None:
+                        await conn.wait()
+                    break
+                except ConnectionResetError:
+                    if reused and attempt == 0 and not conn.got_bytes:
+                        conn.close()  # the server closed it while idle, as we sent: once more on a new one
+                        conn = None
+                        continue
+                    if not reused and not conn.got_bytes and self._ssl is None and await self._tls_answers():
+                        raise NotHttp("the peer speaks TLS", tls=True) from None
+                    raise
+            if not holds:
+                self._first_bytes.append(time.monotonic() - sent)
+            yield conn
+            reusable = conn.complete and conn.error is None and conn.keep_alive and not conn.closed
+        finally:
+            if conn is not None:
+                conn._consumer = conn._on_200 = conn._view = None  # an idle connection keeps no decoder (nor its arena)
+                conn._phase = _IDLE
+                if reusable:
+                    conn.last_used = time.monotonic()
+                    self._idle.append(conn)
+                else:
+                    conn.close()
+            self._slots.release()
+
+    @staticmethod
+    async def _first_byte_within(conn: Connection, deadline: float) -> bool:
+        """Wait until ``conn``'s answer has begun (True) or ``deadline`` seconds pass without a byte (False)."""
+        try:
+            async with asyncio.timeout(deadline) as cm:
+                while not conn.got_bytes and conn.head is None:
+                    await conn.wait()
+        except TimeoutError:
+            if cm.expired() and not conn.got_bytes:
+                return False
+            raise
+        return True
+
+    def _drop_idle(self, since: float) -> None:
+        """Close the idle connections last used at or before ``since`` (idle at least as long)."""
+        keep = []
+        for conn in self._idle:
+            if conn.last_used <= since:
+                conn.close()
+            else:
+                keep.append(conn)
+        self._idle = keep
+
+    def _warm(self) -> Connection | None:
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed and now - conn.last_used < self._keepalive:
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self) -> Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                transport, conn = await loop.create_connection(
+                    lambda: Connection(loop, self._read_timeout), self.host, self.port,
+                    ssl=self._ssl, server_hostname=self.host if self._ssl is not None else None,
+                )
+        except TimeoutError:
+            raise TimeoutError(f"no connection within {self._connect_timeout:g} s") from None
+        except OSError as exc:  # refused, unreachable, DNS, TLS handshake or verification
+            raise Unreachable(exc) from exc
+        _keepalive(transport.get_extra_info("socket"))
+        self._open.add(conn)
+        conn.on_lost = self._open.discard
+        return conn
+
+    async def _tls_answers(self) -> bool:
+        """Whether the peer completes a TLS handshake (asked once per pool, not verified): a fresh
+        connection that an ``http://`` request got no byte on is a TLS port's, or a server going away."""
+        if self._speaks_tls is None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+            loop = asyncio.get_running_loop()
+            try:
+                async with asyncio.timeout(min(self._connect_timeout, 2.0)):
+                    transport, _ = await loop.create_connection(asyncio.Protocol, self.host, self.port, ssl=ctx)
+                transport.abort()
+                self._speaks_tls = True
+            except (OSError, TimeoutError):
+                return False  # not asked again: a server going away may be back
+        return self._speaks_tls
+
+    def close(self) -> None:
+        """Close every connection, idle or in use (an exchange still reading fails)."""
+        self._idle = []
+        for conn in list(self._open):
+            conn.close()
+        self._open.clear()
+
+
+def _keepalive(sock) -> None:
+    """TCP keepalive on ``sock`` (``KEEPALIVE``), with the options the platform has."""
+    if sock is None:
+        return
+    idle, interval, count = KEEPALIVE
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPALIVE", idle), ("TCP_KEEPINTVL", interval),
+                            ("TCP_KEEPCNT", count)):
+            opt = getattr(socket, name, None)  # TCP_KEEPALIVE is macOS's name for the idle time
+            if opt is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+    except OSError:
+        pass  # not a TCP socket (a test's Unix socket), or the option refused: keepalive is a help, not a need
