@@ -56,7 +56,7 @@ frames of 110 KB (a sample's answer) written into a socket pair whose other end
 replaces a real pool connection's socket, and the connection's ``handle_read``
 called until every frame was handed to ``process_msg`` (replaced by a counter:
 no decoding). CPU of the reading thread per frame, for the driver's own libev
-reader and for dataferry's (``schema/sources/cassandra/_driver_patches.py``, ``_frame_reader``).
+reader and for dataferry's (``schema/sources/cassandra/_hot.py``, ``_frame_reader``).
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ def read_path(frames: int, repeats: int) -> list[list[str]]:
                         if not (c.is_control_connection or c.is_closed))
             readers = {
                 "the driver's (LibevConnection.handle_read)": LibevConnection.handle_read,
-                "dataferry's (_driver_patches._frame_reader)": type(conn).handle_read,
+                "dataferry's (_hot._frame_reader)": type(conn).handle_read,
             }
             rows = []
             for buffer in (None, 4 << 20):

@@ -14,7 +14,7 @@ Attributes are imported lazily (PEP 562) so ``dataferry --help`` stays fast.
 
 from __future__ import annotations
 
-import importlib
+from ._lazy import lazy_face
 
 #: the public API: module -> the names it defines (imported lazily, PEP 562)
 _WHERE = {
@@ -52,23 +52,8 @@ _SHARED = {
     "_table": "format_table",
     "_args": "store_arg positive run with_store",
     "_wire": (
-        "ACCEPT_SUMS FRAMES_TYPE IDLIST_TYPE IDS_TYPE ErrorRecord FrameDecoder decode_ids decode_idlist "
+        "FRAMES_TYPE IDLIST_TYPE IDS_TYPE decode_ids "
         "encode_ids encode_end encode_error encode_not_found encode_sample idlist_header idlist_parts wants_sums"
     ),
 }
-_LAZY = {name: mod for mod, names in _WHERE.items() for name in names.split()}
-__all__ = list(_LAZY)  # each public name is written once, in _WHERE
-_LAZY |= {name: mod for mod, names in _SHARED.items() for name in names.split()}
-
-
-def __getattr__(name: str):
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'dataferry.schema' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(__all__)
+__all__, __getattr__, __dir__ = lazy_face(__name__, _WHERE, _SHARED)  # each public name is written once, in _WHERE

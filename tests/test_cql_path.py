@@ -396,7 +396,7 @@ def test_the_frame_reader_hands_over_every_frame_whole_however_the_bytes_arrive(
     header, or one byte; the buffer grows for a large frame and shrinks back once empty."""
     import random
 
-    from dataferry.schema.sources.cassandra._driver_patches import _READ_SIZE
+    from dataferry.schema.sources.cassandra._hot import _READ_SIZE
 
     got: list[tuple[int, bytes]] = []
     with _fed_pool_connection(dataset, got, lambda frame, body: (frame.stream, body)) as (conn, header, feed):
@@ -425,7 +425,7 @@ def test_the_frame_reader_hands_a_hot_reads_body_in_place_and_the_rest_as_bytes(
     bytes. Either way byte-exact and in order, however the bytes arrive."""
     import random
 
-    from dataferry.schema.sources.cassandra._driver_patches import _READ_SIZE
+    from dataferry.schema.sources.cassandra._hot import _READ_SIZE
 
     def in_place():
         pass

@@ -43,8 +43,7 @@ SHARED = [
     "schema_statements", "parse_duration", "parse_rate", "parse_size",
     "DEFAULT_MAX_PIXELS", "LOSSLESS", "ValidateOptions", "prepare_image", "validate_bytes", "validator_pool",
     "require_images", "scan", "format_table", "store_arg", "positive", "run", "with_store",
-    "ACCEPT_SUMS", "FRAMES_TYPE", "IDLIST_TYPE", "IDS_TYPE", "ErrorRecord", "FrameDecoder", "decode_ids",
-    "decode_idlist", "encode_ids", "encode_end", "encode_error", "encode_not_found", "encode_sample",
+    "FRAMES_TYPE", "IDLIST_TYPE", "IDS_TYPE", "decode_ids", "encode_ids", "encode_end", "encode_error", "encode_not_found", "encode_sample",
     "idlist_header", "idlist_parts", "wants_sums",
 ]
 

@@ -11,7 +11,7 @@ and a client that never opens Cassandra stay fast.
 
 from __future__ import annotations
 
-import importlib
+from .._lazy import lazy_face
 
 #: module -> the names it defines
 _WHERE = {
@@ -20,18 +20,4 @@ _WHERE = {
     "http._source": "HttpSource",
     "http._options": "HttpOptions",
 }
-_LAZY = {name: mod for mod, names in _WHERE.items() for name in names.split()}
-__all__ = list(_LAZY)
-
-
-def __getattr__(name: str):
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'dataferry.schema.sources' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(__all__)
+__all__, __getattr__, __dir__ = lazy_face(__name__, _WHERE)

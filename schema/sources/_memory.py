@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 
 import numpy as np
 
-from dataferry.schema import ALL_SPLIT, IdList, Sample, SampleNotFound
-from dataferry.schema import ConfigError, DatasetNotFound, SplitNotFound
+from .._errors import ConfigError, DatasetNotFound, SampleNotFound, SplitNotFound
+from .._model import ALL_SPLIT, IdList, Sample
 
 __all__ = ["MemorySource"]
 

@@ -16,8 +16,9 @@ import ssl
 import weakref
 from collections.abc import Sequence
 
-from ..._errors import AccessDenied, ConfigError, StoreError, StoreTimeout, StoreUnavailable, TLSFailed
+from ..._errors import AccessDenied, StoreError, StoreTimeout, StoreUnavailable, TLSFailed
 from ..._url import CassandraOptions, redact_url
+from .._tls import client_context
 from ._driver_patches import (
     PROTOCOL_VERSION, _answers_early, _cluster_class, _connection_class, _mend_libev_timer, _warm_up, release_warm,
 )
@@ -33,16 +34,8 @@ def where(opts: CassandraOptions) -> str:
 def _ssl_context(opts: CassandraOptions) -> ssl.SSLContext | None:
     if not (opts.tls or opts.tls_ca or opts.tls_cert):
         return None
-    try:
-        ctx = ssl.create_default_context(cafile=opts.tls_ca)
-        if opts.tls_cert:
-            ctx.load_cert_chain(opts.tls_cert, opts.tls_key)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"cassandra TLS files (tls_ca={opts.tls_ca}, tls_cert={opts.tls_cert}): {exc}") from exc
-    if not opts.tls_verify:
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    return ctx
+    return client_context(opts.tls_ca, verify=opts.tls_verify, cert=opts.tls_cert, key=opts.tls_key,
+                          what=f"cassandra TLS files (tls_ca={opts.tls_ca}, tls_cert={opts.tls_cert})")
 
 
 def shutdown(cluster) -> None:

@@ -1,16 +1,15 @@
-"""Where dataferry departs from the cassandra-driver, and why (README.md, The Cassandra path).
+"""Where dataferry departs from the cassandra-driver at set-up, and why (README.md, The Cassandra path).
 
 The reactor's connection class (:func:`_connection_class`): native protocol v4
-always named, STARTUP without waiting for OPTIONS, REGISTER pipelined, the socket
-read 256 KiB at a time with whole frames parsed in place (:func:`_frame_reader`);
-the libev loop mended to end with its last connection (:func:`_mend_libev_timer`);
-and a ``Cluster`` whose pools take connections opened ahead (:class:`_Warm`).
-Each patch checks it meets the driver it was written for, else leaves it alone.
+always named, STARTUP without waiting for OPTIONS, REGISTER pipelined, and the
+read side of ``_hot.py`` installed (frames parsed in place); the libev loop
+mended to end with its last connection (:func:`_mend_libev_timer`); and a
+``Cluster`` whose pools take connections opened ahead (:class:`_Warm`). Each
+patch checks it meets the driver it was written for, else leaves it alone.
 """
 
 from __future__ import annotations
 
-import ssl
 import threading
 import time
 import weakref
@@ -54,9 +53,6 @@ def _mend_libev_timer(connection_class) -> None:
     LibevLoop._update_timer = _update_timer
 
 
-#: bytes a connection asks the socket for per read (the driver's default is 4 KiB)
-_READ_SIZE = 256 << 10
-
 #: the CQL version a connection asks for without OPTIONS: every server (and ScyllaDB) accepts it
 _CQL_VERSION = "3.0.0"
 
@@ -64,7 +60,7 @@ _CQL_VERSION = "3.0.0"
 def _connection_class(base):
     """A subclass of ``base`` (the driver's reactor connection) for one cluster: it reads the
     socket ``_READ_SIZE`` at a time and parses the frames of each read before the next
-    (libev, :func:`_frame_reader`), sends STARTUP without waiting for OPTIONS
+    (libev, ``_hot._frame_reader``), sends STARTUP without waiting for OPTIONS
     (:func:`_startup_first`), pipelines the control connection's REGISTER
     (:func:`_register_pipelined`), and knows its connections (``opened``).
 
@@ -72,6 +68,8 @@ def _connection_class(base):
     driver's libev reader drains the socket before it parses, copying what follows each
     frame once per frame (n frames backlogged: n²/2 copies).
     """
+    from ._hot import _READ_SIZE, _libev_read  # the read side: frames parsed in place for the hot path
+
     base.initialize_reactor()
 
     def __init__(self, *args, **kwargs):
@@ -168,116 +166,6 @@ def _register_pipelined(base):
                 control._uses_peers_v2 = False
 
     return register_watchers
-
-
-def _libev_read(base):
-    """``handle_read`` for a libev connection ``base`` that parses after every read; None for other reactors."""
-    try:
-        from cassandra.io.libevreactor import NONBLOCKING, LibevConnection, libev
-    except Exception:  # noqa: BLE001 - DependencyException or ImportError: libev is not built here
-        return None
-    if not issubclass(base, LibevConnection):
-        return None
-    frames = _frame_reader()
-    if frames is None:
-        return None
-    original = base.handle_read
-    again = (ssl.SSL_ERROR_WANT_READ, ssl.SSL_ERROR_WANT_WRITE)
-
-    def handle_read(self, watcher, revents, errno=None):
-        """The driver's ``LibevConnection.handle_read``, but each read's frames are parsed before the next
-        read, by :func:`_frame_reader`, into one buffer per connection."""
-        if revents & libev.EV_ERROR or self.protocol_version != PROTOCOL_VERSION:
-            return original(self, watcher, revents, errno)
-        return frames(self, again, NONBLOCKING)
-
-    return handle_read
-
-
-def _read_failed(conn, err: OSError, again: tuple, nonblocking: tuple) -> None:
-    """After a read of ``conn``'s socket raised ``err``: nothing more to read now (``again`` for
-    SSL, ``nonblocking`` otherwise: the errnos that say so), or ``conn`` is defunct."""
-    if not (err.args and err.args[0] in (again if isinstance(err, ssl.SSLError) else nonblocking)):
-        conn.defunct(err)
-
-
-def _frame_reader():
-    """The read side of a v4 connection: ``read(conn, again, nonblocking)`` reads what the socket
-    holds into the connection's buffer and hands each whole frame to the driver's
-    ``process_msg``, as its own parser does; None if the driver is not the one this was
-    written for (then its parser is used).
-
-    The socket reads into one ``bytearray`` per connection (``recv_into``), and a frame's body
-    is copied out once, as the bytes the decoder takes; a decoder marked ``reads_views`` (the
-    hot path's, ``_hot.py``) gets a view of the buffer instead, valid while it runs, and
-    copies out only the cells it keeps. What is left of a frame that did not fully arrive
-    moves to the buffer's front; the buffer grows to hold a frame larger than it, and once
-    empty shrinks back if it grew past four reads.
-    """
-    try:
-        from cassandra.connection import ProtocolError, _Frame, frame_header_v3
-    except ImportError:
-        return None
-    header = frame_header_v3
-    size = header.size + 1  # the version byte, then flags, stream, opcode, length
-
-    def read(self, again, nonblocking):
-        state = self.__dict__.get("_frames")
-        if state is None:
-            state = self._frames = [bytearray(_READ_SIZE), 0, 0]  # buffer, start, end
-        while True:
-            buf, start, end = state
-            room = len(buf) - end
-            if room < _READ_SIZE // 4:  # make room: move the partial frame to the front, or grow
-                need = max(_frame_size(buf, start, end), end - start + _READ_SIZE)
-                new = buf if need <= len(buf) else bytearray(need)
-                new[: end - start] = memoryview(buf)[start:end]
-                buf, start, end = new, 0, end - start
-                state[:] = buf, start, end
-                room = len(buf) - end
-            try:
-                with memoryview(buf) as view:
-                    n = self._socket.recv_into(view[end:])
-            except OSError as err:
-                return _read_failed(self, err, again, nonblocking)
-            if not n:  # closed by the server
-                self.close()
-                return None
-            end += n
-            state[2] = end
-            while end - start >= size:
-                version = buf[start] & 0x7F
-                flags, stream, opcode, length = header.unpack_from(buf, start + 1)
-                if version != PROTOCOL_VERSION or length < 0:
-                    self.defunct(ProtocolError(f"received a frame of protocol v{version}, body length {length}, "
-                                               f"on a v{PROTOCOL_VERSION} connection"))
-                    return None
-                stop = start + size + length
-                if stop > end:
-                    break
-                # a decoder that reads views (the hot path's) gets the body in place, and copies what it keeps
-                registered = self._requests.get(stream) if stream >= 0 else None
-                if registered is not None and getattr(registered[1], "reads_views", False):
-                    body = memoryview(buf)[start + size:stop]
-                else:
-                    body = bytes(memoryview(buf)[start + size:stop])
-                start = state[1] = stop
-                self.process_msg(_Frame(version, flags, stream, opcode, size, size + length), body)
-                if self.is_defunct or self.is_closed:
-                    return None
-            if start == end:  # nothing pending: start over at the front (and shrink a grown buffer)
-                state[:] = (buf if len(buf) <= 4 * _READ_SIZE else bytearray(_READ_SIZE)), 0, 0
-            if n < room:
-                return None
-
-    return read
-
-
-def _frame_size(buf: bytearray, start: int, end: int) -> int:
-    """The size of the v4 frame that starts at ``buf[start]``, header included; 0 while its header is incomplete."""
-    if end - start < 9:
-        return 0
-    return 9 + int.from_bytes(buf[start + 5:start + 9], "big", signed=True)
 
 
 class _Warm:

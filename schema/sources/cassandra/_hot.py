@@ -1,22 +1,27 @@
-"""The hot read path: single-row reads sent on the driver's connections, without ``ResponseFuture``.
+"""The read path: answers' frames parsed in place, sample reads sent without ``ResponseFuture``.
 
-A read is bound, routed (token-aware, then :meth:`HotReads._choose`: past a
-stalled replica, a hedge to another) and encoded by the driver, sent on a
-connection borrowed from its pool, and answered through :func:`decode_rows`
-(RESULT rows of ``int``/``bigint``/``blob`` columns, read in place; anything
-else by the driver's decoder). One loop timer serves every deadline; a read
-that timed out goes once more, to another replica. What it cannot send, or
-that gets anything but rows, goes again through ``Session.execute_async``.
-Reads only; protocol v4's Rows metadata flags (``tests/test_cql_fast.py``).
-Why, and what it saves: README.md, The Cassandra path; ``bench/results/cql_path.md``.
+Every answer of a v4 connection is read 256 KiB at a time into one buffer per
+connection and handed to the driver frame by frame (:func:`_frame_reader`,
+installed by ``_driver_patches._connection_class``). A hot read is bound, routed
+(token-aware, then :meth:`HotReads._choose`: past a stalled replica, a hedge to
+another) and encoded by the driver, sent on a connection borrowed from its pool,
+and answered through :func:`decode_rows` (RESULT rows of ``int``/``bigint``/``blob``
+columns, read from a view of that buffer; anything else by the driver's decoder).
+One loop timer serves every deadline; a read that timed out goes once more, to
+another replica. What it cannot send, or that gets anything but rows, goes again
+through ``Session.execute_async``. Reads only; protocol v4's Rows metadata flags
+(``tests/test_cql_fast.py``). Why: README.md, The Cassandra path; ``bench/results/cql_path.md``.
 """
 
 from __future__ import annotations
 
+import ssl
 import struct
 import time
 from collections import deque
 from functools import partial
+
+from ._driver_patches import PROTOCOL_VERSION
 
 __all__ = ["Again", "HotReads", "decode_rows", "execute_message", "readable"]
 
@@ -36,6 +41,120 @@ _METADATA_CHANGED = 0x0008  # v5
 #: column types read here: option id -> cell reader, by CQL type name
 _TYPES = {"int": (0x0009, lambda b: _INT.unpack(b)[0]), "bigint": (0x0002, lambda b: _BIGINT.unpack(b)[0]),
           "blob": (0x0003, bytes)}
+
+
+#: bytes a connection asks the socket for per read (the driver's default is 4 KiB)
+_READ_SIZE = 256 << 10
+
+
+def _libev_read(base):
+    """``handle_read`` for a libev connection ``base`` that parses after every read; None for other reactors."""
+    try:
+        from cassandra.io.libevreactor import NONBLOCKING, LibevConnection, libev
+    except Exception:  # noqa: BLE001 - DependencyException or ImportError: libev is not built here
+        return None
+    if not issubclass(base, LibevConnection):
+        return None
+    frames = _frame_reader()
+    if frames is None:
+        return None
+    original = base.handle_read
+    again = (ssl.SSL_ERROR_WANT_READ, ssl.SSL_ERROR_WANT_WRITE)
+
+    def handle_read(self, watcher, revents, errno=None):
+        """The driver's ``LibevConnection.handle_read``, but each read's frames are parsed before the next
+        read, by :func:`_frame_reader`, into one buffer per connection."""
+        if revents & libev.EV_ERROR or self.protocol_version != PROTOCOL_VERSION:
+            return original(self, watcher, revents, errno)
+        return frames(self, again, NONBLOCKING)
+
+    return handle_read
+
+
+def _read_failed(conn, err: OSError, again: tuple, nonblocking: tuple) -> None:
+    """After a read of ``conn``'s socket raised ``err``: nothing more to read now (``again`` for
+    SSL, ``nonblocking`` otherwise: the errnos that say so), or ``conn`` is defunct."""
+    if not (err.args and err.args[0] in (again if isinstance(err, ssl.SSLError) else nonblocking)):
+        conn.defunct(err)
+
+
+def _frame_reader():
+    """The read side of a v4 connection: ``read(conn, again, nonblocking)`` reads what the socket
+    holds into the connection's buffer and hands each whole frame to the driver's
+    ``process_msg``, as its own parser does; None if the driver is not the one this was
+    written for (then its parser is used).
+
+    The socket reads into one ``bytearray`` per connection (``recv_into``), and a frame's body
+    is copied out once, as the bytes the decoder takes; a decoder marked ``reads_views`` (the
+    hot path's, ``_hot.py``) gets a view of the buffer instead, valid while it runs, and
+    copies out only the cells it keeps. What is left of a frame that did not fully arrive
+    moves to the buffer's front; the buffer grows to hold a frame larger than it, and once
+    empty shrinks back if it grew past four reads.
+    """
+    try:
+        from cassandra.connection import ProtocolError, _Frame, frame_header_v3
+    except ImportError:
+        return None
+    header = frame_header_v3
+    size = header.size + 1  # the version byte, then flags, stream, opcode, length
+
+    def read(self, again, nonblocking):
+        state = self.__dict__.get("_frames")
+        if state is None:
+            state = self._frames = [bytearray(_READ_SIZE), 0, 0]  # buffer, start, end
+        while True:
+            buf, start, end = state
+            room = len(buf) - end
+            if room < _READ_SIZE // 4:  # make room: move the partial frame to the front, or grow
+                need = max(_frame_size(buf, start, end), end - start + _READ_SIZE)
+                new = buf if need <= len(buf) else bytearray(need)
+                new[: end - start] = memoryview(buf)[start:end]
+                buf, start, end = new, 0, end - start
+                state[:] = buf, start, end
+                room = len(buf) - end
+            try:
+                with memoryview(buf) as view:
+                    n = self._socket.recv_into(view[end:])
+            except OSError as err:
+                return _read_failed(self, err, again, nonblocking)
+            if not n:  # closed by the server
+                self.close()
+                return None
+            end += n
+            state[2] = end
+            while end - start >= size:
+                version = buf[start] & 0x7F
+                flags, stream, opcode, length = header.unpack_from(buf, start + 1)
+                if version != PROTOCOL_VERSION or length < 0:
+                    self.defunct(ProtocolError(f"received a frame of protocol v{version}, body length {length}, "
+                                               f"on a v{PROTOCOL_VERSION} connection"))
+                    return None
+                stop = start + size + length
+                if stop > end:
+                    break
+                # a decoder that reads views (the hot path's) gets the body in place, and copies what it keeps
+                registered = self._requests.get(stream) if stream >= 0 else None
+                if registered is not None and getattr(registered[1], "reads_views", False):
+                    body = memoryview(buf)[start + size:stop]
+                else:
+                    body = bytes(memoryview(buf)[start + size:stop])
+                start = state[1] = stop
+                self.process_msg(_Frame(version, flags, stream, opcode, size, size + length), body)
+                if self.is_defunct or self.is_closed:
+                    return None
+            if start == end:  # nothing pending: start over at the front (and shrink a grown buffer)
+                state[:] = (buf if len(buf) <= 4 * _READ_SIZE else bytearray(_READ_SIZE)), 0, 0
+            if n < room:
+                return None
+
+    return read
+
+
+def _frame_size(buf: bytearray, start: int, end: int) -> int:
+    """The size of the v4 frame that starts at ``buf[start]``, header included; 0 while its header is incomplete."""
+    if end - start < 9:
+        return 0
+    return 9 + int.from_bytes(buf[start + 5:start + 9], "big", signed=True)
 
 
 class Again(Exception):

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 from yarl import URL
 
-from dataferry.schema import ConfigError, check as _check
+from ..._errors import ConfigError, check as _check
 
+from .._tls import client_context
 from ._buffers import ARENA
 
 __all__ = ["HttpOptions", "base_url", "ssl_context"]
@@ -97,11 +98,4 @@ def base_url(url: str) -> str:
 
 
 def ssl_context(options: HttpOptions) -> ssl.SSLContext:
-    try:
-        ctx = ssl.create_default_context(cafile=options.ca_file)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"cannot load CA file {options.ca_file!r}: {exc}") from exc
-    if not options.verify:
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    return ctx
+    return client_context(options.ca_file, verify=options.verify, what=f"cannot load CA file {options.ca_file!r}")

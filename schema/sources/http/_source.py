@@ -27,24 +27,13 @@ from urllib.parse import quote
 
 from yarl import URL
 
-from dataferry.schema import (
-    ACCEPT_SUMS,
-    FRAMES_TYPE,
-    IDLIST_TYPE,
-    IDS_TYPE,
-    AccessDenied,
+from ..._errors import (
     ConfigError,
     DataferryError,
-    DatasetInfo,
     DatasetNotFound,
-    ErrorRecord,
-    FrameDecoder,
-    IdList,
     ProtocolMismatch,
     RequestRejected,
-    Sample,
     SampleNotFound,
-    SplitInfo,
     SplitNotFound,
     StoreError,
     StoreTimeout,
@@ -53,10 +42,11 @@ from dataferry.schema import (
     TokenRefused,
     WireFormatError,
     check as _check,
-    decode_idlist,
-    encode_ids,
-    read_token_file,
-    valid_token,
+)
+from ..._model import DatasetInfo, IdList, Sample, SplitInfo
+from ..._tokens import read_token_file, valid_token
+from ..._wire import (
+    ACCEPT_SUMS, FRAMES_TYPE, IDLIST_TYPE, IDS_TYPE, ErrorRecord, FrameDecoder, decode_idlist, encode_ids,
 )
 
 from ._buffers import BufferPool
@@ -316,7 +306,7 @@ class HttpSource:
 
         from tqdm import tqdm
 
-        from dataferry.schema import DerivedSplit
+        from ..._splits import DerivedSplit
 
         bound = self.options.derive_timeout if timeout is None else timeout
         wait = min(_MAX_POLL_WAIT, self.options.read_timeout / 2)
