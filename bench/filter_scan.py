@@ -14,7 +14,7 @@ NAME`` times a dataset already there instead.
 Then, ``--repeats`` times: ``derive_split`` with a filter under a fresh name
 (the id list, the metadata by ``scan_meta``'s own choice, the predicate, the
 split written back), and one token-range scan of every metadata column
-(``_cqlscan``, no predicate); the client's peak resident set during each
+(``sources/cassandra/_scan.py``, no predicate); the client's peak resident set during each
 filter is sampled every 20 ms. Once: reads by id (``read_meta``, 4,096 ids a
 call, 4 calls at once, as derived splits read before the scan) of the first
 ``--by-id`` ids, whose rate is extrapolated to all samples and labelled so.

@@ -9,7 +9,7 @@ in the first split. Each split lists its ids sorted.
 :func:`derive_split` keeps the samples of a split whose metadata match a
 filter, reading it through ``store.scan_meta(dataset, ids, *, fields)``, which
 each backend implements its fastest way (SQLite by id; Cassandra by
-token-range scans or by id, ``_cqlscan.py``); the selection is the same
+token-range scans or by id, ``sources/cassandra/_scan.py``); the selection is the same
 everywhere.
 """
 
