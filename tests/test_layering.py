@@ -19,7 +19,8 @@ subcommands):
   (``dataferry.schema``; the sources': ``dataferry.schema.sources``). ``bench``
   measures internals and is exempt; nothing imports it.
 
-A logger's name (``getLogger("dataferry.client")``) is not an import.
+A logger's name (``getLogger("dataferry.client")``) is not an import. And things of one
+kind live together: every runtime ``SampleSource`` is in ``schema/sources/``.
 """
 
 from __future__ import annotations
@@ -139,3 +140,19 @@ def test_the_checker_sees_lazy_relative_and_named_imports(tmp_path):
     assert not is_private("dataferry.schema.sources") and is_private("dataferry.schema.sources.http._source")
     assert package_of("dataferry.schema.sources.cassandra._store") == "schema"
 
+
+
+def test_every_sample_source_lives_in_schema_sources():
+    """Things of one kind live together: a runtime class with the seam's method (``fetch``) is
+    in ``schema/sources/``, behind its one URL dispatcher; ``schema/_store.py`` holds the
+    protocol itself. (``bench`` and ``tests`` keep their lab and fake sources.)"""
+    home, seam = ROOT / "schema" / "sources", ROOT / "schema" / "_store.py"
+    stray = []
+    for path, own in _files():
+        if own in LAB or path == seam or path.is_relative_to(home):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and any(
+                    isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name == "fetch" for f in node.body):
+                stray.append(f"{path.relative_to(ROOT)}: {node.name}")
+    assert stray == []
