@@ -56,9 +56,10 @@ run a fresh Loader: its connections, the split's catalog read, then the first
 batch), medians of ``--runs`` for the tuned and the fixed (``tune=False``)
 window, with the RTT multiple.
 
-The byte budget (``--max-bytes``, default ``Prefetch.max_bytes``) bounds what
-can be in flight: at ``latency`` L and ``size`` S the engine cannot exceed
-``max_bytes / (L x S)`` samples/s, printed as ``budget cap``.
+The byte budget (``--max-bytes``; by default it follows the link up to
+``Prefetch.CEILING_BYTES``) bounds what can be in flight: at ``latency`` L and
+``size`` S the engine cannot exceed ``ceiling / (L x S)`` samples/s, printed as
+``budget cap``.
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         steady = statistics.median(r.steady_per_s for r in runs)
         base = base or rate
         med = median_run(runs)
-        cap = prefetch.max_bytes / (lat * args.size) if lat else float("inf")
+        cap = prefetch.ceiling_bytes / (lat * args.size) if lat else float("inf")
         rows.append([
             f"{lat * 1e3:g} ms", f"{rate:,.0f}", f"{rate / base:.2f}",
             f"{steady:,.0f}", f"{steady / steady_base:.2f}", f"{max(0.0, 1 - rate / steady):.2f}" if steady else "-",

@@ -54,7 +54,7 @@ def attribute(s: Stats, floor: float | None) -> tuple[Limit, str]:
                           f"{share(s.wait):.0%} on the loader{busy}{queue}")
     lat = s.mean_latency
     held = share(s.window_full + s.budget_full)
-    what = "window" if s.window_full >= s.budget_full else "byte budget"
+    what = "window" if s.window_full >= s.budget_full else f"byte budget ({s.budget / 2**20:,.0f} MiB)"
     ratio = lat / floor if lat is not None and floor else None
     waited = f"the loop waited {share(s.wait):.0%} of the time on the loader"
     if s.failures:

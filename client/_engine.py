@@ -65,6 +65,7 @@ class Run:
         done: DoneSet | None = None,
         link: Link | None = None,
         next_plan: Callable[[int], EpochPlan] | None = None,
+        waited: Callable[[], float] | None = None,
     ) -> None:
         self.source, self.dataset = source, dataset
         self.batch_size, self.drop_last, self.in_order = batch_size, drop_last, in_order
@@ -77,6 +78,9 @@ class Run:
         self.c = counters
         self._emit = emit
         self._next_plan = next_plan
+        #: seconds the consumer has waited for batches so far (read on the loop; a budget that
+        #: follows the link grows only while it waits)
+        self._waited = waited
         self.current = self._epoch(plan, done)
         self.ahead: _Epoch | None = None
         self.link = link if link is not None else Link(prefetch, hedge)
@@ -98,6 +102,7 @@ class Run:
         self._ended = False
         #: what held the dispatcher back in its last round: "window", "budget" or None (for the stats)
         self._held: str | None = None
+        self._held_ep: _Epoch | None = None  # the epoch the budget held back, when it did
         self._consumer_epoch = plan.epoch
         self._store = describe_source(source)
         #: (epoch, position) -> id of a sample skipped as corrupt; taken by the consumer's thread
@@ -112,7 +117,7 @@ class Run:
         more counts it whole; the next batch must be made whatever the budget)."""
         self.ready_bytes -= nbytes
         next_batch = max(nbytes, self.batch_size * int(self.link.reserve_bytes))
-        room = self.prefetch.max_bytes - next_batch - self.request_size * int(self.link.reserve_bytes)
+        room = self.link.budget - next_batch - self.request_size * int(self.link.reserve_bytes)
         self.taken_bytes = max(0, min(nbytes, room))
         self._poke()
 
@@ -140,6 +145,9 @@ class Run:
                 self._held = None
                 wake_at = min(self._dispatch(now), self._maybe_hedge(now), self._expire(now))
                 held, held_from = self._held, now
+                if held == "budget" and self._held_ep is self.current and self._may_grow() \
+                        and self.link.starved(now, self._waited()):
+                    continue  # the budget grew: send at once
                 if not self._finished:
                     # sleep until an answer, a release or the next timer: O(1) per event, whatever the window
                     self._wake = loop.create_future()
@@ -214,15 +222,23 @@ class Run:
         self._poke()
 
     def _budget_allows(self, est: int, ep: _Epoch) -> bool:
-        fits = self._reserved + self.ready_bytes + self.taken_bytes + est <= self.prefetch.max_bytes
+        budget = self.link.budget
+        fits = self._reserved + self.ready_bytes + self.taken_bytes + est <= budget
         if ep is not self.current:
             # the look-ahead holds at most half the budget: the rest stays for the current epoch
-            return fits and ep.reserved + self._ahead_bytes() + est <= self.prefetch.max_bytes // 2
+            return fits and ep.reserved + self._ahead_bytes() + est <= budget // 2
         if fits:
             return True
         # progress guarantee for the current epoch: with none of its requests in
         # flight and nothing of it waiting for the consumer, one request may go
         return not ep.active and self.ready_bytes - self._ahead_bytes() - ep.pending_bytes <= 0
+
+    def _may_grow(self) -> bool:
+        """The budget may grow (``Link.starved`` judges whether the consumer starves): it follows
+        the link, and what holds it is mostly in flight (bytes piled up ready, as behind one slow
+        sample in input order, would not come sooner with more)."""
+        return (self.prefetch.max_bytes is None and self._waited is not None
+                and self.ready_bytes - self._ahead_bytes() <= self.link.budget // 4)
 
     def _ahead_bytes(self) -> int:
         """Bytes the look-ahead epoch holds (delivered, waiting for its turn)."""
@@ -256,7 +272,7 @@ class Run:
                     heapq.heappop(ep.retries)
                     continue
                 if not self._budget_allows(int(len(positions) * self.link.reserve_bytes), ep):
-                    self._held = "budget"
+                    self._held, self._held_ep = "budget", ep
                     return True, _INF
                 heapq.heappop(ep.retries)
                 self._start(ep, positions, attempt, now)
@@ -265,7 +281,7 @@ class Run:
                 return False, ep.retries[0][0] if ep.retries else _INF
             est = int(min(self.request_size, ep.n - ep.cursor) * self.link.reserve_bytes)
             if not self._budget_allows(est, ep):
-                self._held = "budget"
+                self._held, self._held_ep = "budget", ep
                 return True, _INF
             positions = ep.fresh(self.request_size)
             if positions:
@@ -339,6 +355,7 @@ class Run:
         self.c.requests += 1
         self.c.inflight = len(self._active)
         self.c.window = int(self.link.window)
+        self.c.budget = self.link.budget
         return req
 
     async def _fetch(self, req: _Req) -> None:

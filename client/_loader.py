@@ -297,6 +297,7 @@ class Loader:
             batch_size=self.batch_size, drop_last=self.drop_last, in_order=self.order == "input",
             prefetch=self.prefetch, retry=self.retry, hedge=self.hedge, errors=self.errors,
             counters=self._counters, emit=emit, done=self._delivered, link=self._link, next_plan=next_plan,
+            waited=self._consumer_waited,
         )
         self._run = run
 
@@ -330,6 +331,13 @@ class Loader:
     def get_nowait(self) -> Batch:
         """The next batch of the running epoch if one is ready, else :class:`queue.Empty`."""
         return self._take(self._epoch, False, None)
+
+    def _consumer_waited(self) -> float:
+        """Seconds the consumer's thread has waited in :meth:`_take`, the wait going on now included
+        (read on the engine's loop; ``time.monotonic``, the loop's clock)."""
+        t = self._taken
+        since = t.waiting_since
+        return t.wait + (time.monotonic() - since if since is not None else 0.0)
 
     def _take(self, epoch: int, block: bool, timeout: float | None) -> Batch:
         if self._closed:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from dataferry.schema import check as _check
 
@@ -70,13 +70,22 @@ class Prefetch:
     ``tune=False`` gives the fixed scheme: ``initial_inflight`` (2) requests,
     one more per answer up to ``max_inflight`` (64), of the source's
     ``preferred_request_size`` (else 32) ids.
-    ``max_bytes`` caps bytes in flight (estimated from the running mean sample
-    size) plus bytes ready but not yet taken by the consumer.
+    ``max_bytes``, the byte budget, caps bytes in flight (estimated from the
+    sizes seen) plus bytes ready but not yet taken by the consumer. None (the
+    default) lets it follow the link: it starts at ``START_BYTES`` (512 MiB)
+    and grows by half, at most once a round trip, while the training loop
+    waits on the loader with the budget holding requests back (a fast consumer
+    over a long round trip needs rate x RTT in flight), up to ``CEILING_BYTES``
+    (2 GiB); it never shrinks. A number fixes it: memory is then bounded by it.
     """
+
+    #: where a budget that follows the link (``max_bytes=None``) starts, and the most it grows to
+    START_BYTES: ClassVar[int] = 512 << 20
+    CEILING_BYTES: ClassVar[int] = 2 << 30
 
     max_inflight: int | None = None
     initial_inflight: int | None = None
-    max_bytes: int = 512 << 20
+    max_bytes: int | None = None
     request_size: int | None = None
     #: assumed bytes per sample until the first answers arrive
     sample_bytes_hint: int = 128 << 10
@@ -86,9 +95,20 @@ class Prefetch:
         _check(self.max_inflight is None or self.max_inflight >= 1, "max_inflight must be >= 1 (or None: no cap)")
         _check(self.initial_inflight is None or 1 <= self.initial_inflight <= self.inflight_cap,
                "initial_inflight must be in [1, max_inflight]")
-        _check(self.max_bytes >= 1 << 16, "max_bytes must be at least 64 KiB")
+        _check(self.max_bytes is None or self.max_bytes >= 1 << 16,
+               "max_bytes must be at least 64 KiB (or None: it follows the link)")
         _check(self.request_size is None or self.request_size >= 1, "request_size must be >= 1")
         _check(self.sample_bytes_hint >= 1, "sample_bytes_hint must be >= 1")
+
+    @property
+    def start_bytes(self) -> int:
+        """The byte budget at the start: ``max_bytes``, else ``START_BYTES``."""
+        return self.START_BYTES if self.max_bytes is None else self.max_bytes
+
+    @property
+    def ceiling_bytes(self) -> int:
+        """The most the byte budget may be: ``max_bytes``, else ``CEILING_BYTES``. Memory is bounded by it."""
+        return self.CEILING_BYTES if self.max_bytes is None else self.max_bytes
 
     @property
     def inflight_cap(self) -> int:

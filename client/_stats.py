@@ -73,6 +73,8 @@ class Stats:
     ready_bytes: int = _figure(SNAPSHOT, gauge=True)
     #: high-water mark of bytes in flight (reserved) plus ready
     peak_bytes: int = _figure(ENGINE, gauge=True)
+    #: the byte budget now: ``Prefetch.max_bytes``, or where a budget that follows the link has grown to
+    budget: int = _figure(ENGINE, gauge=True)
     #: seconds the engine had requests to send but its window was full
     window_full: float = _figure(ENGINE, 0.0)
     #: seconds the engine had requests to send but its byte budget was full

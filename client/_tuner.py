@@ -180,6 +180,10 @@ class Link:
     RATE_MIN_S = 0.02
     #: seconds between two log lines of the same kind of window decision
     LOG_EVERY = 10.0
+    #: the least time between two looks at whether the loop starves (and at least a round trip),
+    #: and the share of it the loop must have waited for the byte budget to grow
+    BUDGET_EVERY_S = 0.05
+    STARVED_SHARE = 0.1
     #: the most bytes reserved per sample in flight, in mean sample sizes (``reserve_bytes``)
     RESERVE_CAP = 3.0
 
@@ -196,6 +200,9 @@ class Link:
         #: photos) does not shrink the window for thousands of samples (it takes the rest of its
         #: request's reservation, and may take the accounting past the budget by its excess)
         self.high_bytes = self.reserve_bytes = float(prefetch.sample_bytes_hint)
+        #: the byte budget now (``Run._budget_allows``): ``Prefetch.max_bytes``, or following the link
+        self.budget = prefetch.start_bytes
+        self._starve_mark: tuple[float | None, float] = (None, 0.0)  # (when, loop's wait then): last look
         self.latencies: deque[float] = deque(maxlen=hedge.history)  # full-size requests only
         self.min_latency: float | None = None  # the lowest of them: the round-trip estimate
         self.hedge_after = float("inf")
@@ -260,7 +267,7 @@ class Link:
         is at most ``REQUEST_BYTES`` (a retry, a hedge, a timeout stay small), and at most the
         source's ``max_request_bytes`` (``WAN_REQUEST_BYTES`` unless it says) over a round trip of
         ``LINK_RTT_S`` or more; 1024."""
-        most = min(self.prefetch.max_bytes / 16, self.REQUEST_BYTES)
+        most = min(self.budget / 16, self.REQUEST_BYTES)
         wan = self.min_first is not None and self.min_first >= self.LINK_RTT_S
         if wan and self.wan_request_bytes is not None:
             most = min(most, self.wan_request_bytes)
@@ -273,7 +280,7 @@ class Link:
         if self.tuned and self.concurrency is not None and self.prefetch.max_inflight is None:
             cap = min(cap, float(self.concurrency))
         if self.tuned:
-            cap = min(cap, max(1.0, self.prefetch.max_bytes / (self.request_size * self.mean_bytes)))
+            cap = min(cap, max(1.0, self.budget / (self.request_size * self.mean_bytes)))
         return cap
 
     def target(self) -> float:
@@ -509,8 +516,8 @@ class Link:
 
     def _cap_reason(self) -> str:
         p = self.prefetch
-        if self.tuned and p.max_bytes / (self.request_size * self.mean_bytes) < p.inflight_cap:
-            return f"max_bytes {p.max_bytes / 2**20:,.0f} MiB"
+        if self.tuned and self.budget / (self.request_size * self.mean_bytes) < p.inflight_cap:
+            return f"max_bytes {self.budget / 2**20:,.0f} MiB"
         return "max_inflight" if p.max_inflight is not None else "the default limit"
 
     def _resize(self, size: int, why: str) -> None:
@@ -526,6 +533,33 @@ class Link:
             self.request_size = size
             self.latencies.clear()  # the hedge's quantile: of this size
         tune_log.info("request size %d: %s", size, why)
+
+    def starved(self, now: float, waited: float) -> bool:
+        """The byte budget holds requests back now; ``waited``: the seconds the training loop has
+        waited on the loader so far. Once the link has carried a budget's worth (the start-up's
+        wait is no evidence), if the loop waited ``STARVED_SHARE`` of the time since the last look
+        (at least a round trip ago), grow the budget by half, up to ``Prefetch.ceiling_bytes``.
+        Returns whether it grew."""
+        ceiling = self.prefetch.ceiling_bytes
+        if self.budget >= ceiling or self.delivered < self.budget:
+            return False
+        mark, waited_then = self._starve_mark
+        if mark is None or waited < waited_then:
+            self._starve_mark = (now, waited)
+            return False
+        rtt = self.min_latency if self.min_latency is not None else 0.0
+        if now - mark < max(rtt, self.BUDGET_EVERY_S):
+            return False
+        share = (waited - waited_then) / (now - mark)
+        self._starve_mark = (now, waited)
+        if share < self.STARVED_SHARE:
+            return False
+        self.budget = min(ceiling, int(self.budget * 1.5))
+        self._log("budget", f"byte budget {self.budget / 2**20:,.0f} MiB: the training loop waited on the loader "
+                            f"{min(share, 1.0):.0%} of the last {now - mark:.2f} s while the budget held requests "
+                            f"back (it follows the link up to {ceiling / 2**20:,.0f} MiB; Prefetch(max_bytes=) "
+                            "fixes it)")
+        return True
 
     def failed(self) -> None:
         floor = float(self.MIN_WINDOW if self.tuned else self.prefetch.initial_inflight or 2)
