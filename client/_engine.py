@@ -2,14 +2,15 @@
 
 Everything runs on one event loop: plan positions go out in requests
 (``source.fetch(dataset, ids)``) within the window (``_tuner.Link``) and the byte budget;
-results are handled as they arrive, each position completed once (``_epoch._Epoch``), and
+results are handled as they arrive, each position completed once (:class:`_Epoch`), and
 full batches handed to ``emit`` in completion order (plan order with ``in_order``). The
 current epoch goes first; the next epoch's requests follow once it has nothing new to send
 (one epoch of look-ahead, at most half the budget). A failed request's positions are retried
 with backoff until ``Retry.deadline``, then ``ErrorPolicy`` raises ``SampleFailed`` or skips;
 after ``Retry.breaker_after`` failures in a row one probe at a time goes out. Slow requests
 are hedged. The dispatcher sleeps until the next answer, release or timer; it never polls.
-The rules in full: client/README.md (How data flows).
+Failures, retries, hedges and timeouts: ``_recovery.Recovery``. The rules in full:
+client/README.md (How data flows).
 """
 
 from __future__ import annotations
@@ -20,18 +21,21 @@ import itertools
 import logging
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
-from dataferry.schema import CorruptSample, Sample, SampleNotFound, SampleSource, StoreError, sample_checksum
+import numpy as np
+
+from dataferry.schema import CorruptSample, Sample, SampleNotFound, SampleSource, sample_checksum
 
 from ._doneset import DoneSet
-from ._epoch import _Epoch, _Req
 from ._options import ErrorPolicy, Hedge, Prefetch, Retry
 from ._plan import EpochPlan
-from ._retry import Breaker, describe_source, retryable
+from ._recovery import Recovery
+from ._retry import Breaker, describe_source
 from ._stats import Counters
-from ._tuner import Link, quantile
-from ._types import SampleFailed
+from ._tuner import Link
+from ._types import Batch, EndOfEpoch
 
 __all__ = ["Run"]
 
@@ -39,7 +43,152 @@ log = logging.getLogger("dataferry.client")
 _INF = float("inf")
 
 
-class Run:
+@dataclass(eq=False)
+class _Req:
+    epoch: _Epoch
+    #: id -> the position it fills: ints only, so the cyclic garbage collector does not track it
+    #: (with thousands of requests in flight, a container per id made each full collection walk
+    #: every id in flight: tens of ms a pause)
+    positions: dict[int, int]
+    start: float
+    attempt: int
+    reserved: int
+    per_sample: int = 0
+    size: int = 0  # the request size when it was sent: fewer ids make it short
+    sent_with: int = 0  # requests in flight (not hedges) when it was sent, itself included
+    first: float = 0.0  # when its first answer came
+    hedge: bool = False
+    twin: _Req | None = None
+    deadline: float = float("inf")  # when to hedge it
+    task: asyncio.Task | None = None
+    answered: set[int] = field(default_factory=set)
+    #: id -> its further positions, for an id that fills several (a padded plan); usually None
+    extra: dict[int, tuple[int, ...]] | None = None
+    count: int = 0  # positions it fills
+    timed_out: bool = False  # cancelled by the deadline sweep (Retry.timeout), not by a hedge
+
+    def all_positions(self) -> Iterable[int]:
+        """Every position this request fills."""
+        if self.extra is None:
+            return self.positions.values()
+        return itertools.chain(self.positions.values(), *self.extra.values())
+
+
+class _Epoch:
+    """One epoch: what is done, what is covered, its retries, and batch assembly.
+
+    Assembly (:meth:`deliver`, :meth:`finish`) puts finished batches in
+    ``outbox``; :class:`Run` hands them to the consumer once this epoch is
+    the current one. ``pending_bytes`` counts delivered bytes not yet handed
+    over (the batch being filled, in-order samples held back, the outbox).
+    """
+
+    def __init__(self, plan: EpochPlan, done: DoneSet | None, *, batch_size: int, in_order: bool) -> None:
+        self.plan = plan
+        self.n = len(plan)
+        self.batch_size, self.in_order = batch_size, in_order
+        self.completed = done.copy() if done is not None else DoneSet(self.n)
+        self.cursor = 0
+        self.cover: dict[int, int] = {}  # position -> requests covering it
+        self.attempts: dict[int, int] = {}  # position -> tries sent, for retried positions until they complete
+        self.first_fail: dict[int, float] = {}  # position -> when it first failed (until it completes)
+        self.retries: list[tuple[float, int, list[int], int]] = []  # heap of (due, seq, positions, attempt)
+        self.active = 0  # requests in flight for this epoch
+        self.reserved = 0  # bytes reserved for this epoch's requests in flight
+        self.batch: list[Sample] = []  # the batch being filled, and its samples' positions beside it
+        self.batch_pos: list[int] = []  # (two lists, not a tuple per sample: a tuple is one more object for the GC)
+        self.held: dict[int, Sample | None] = {}  # in-order mode: arrived, not yet released
+        self.release = self.completed.frontier  # in-order: next position to release
+        self.done_before = set(self.completed.beyond())  # delivered before a resume
+        self.skipped: list[int] = []
+        self.skipped_count = 0
+        self.pending_bytes = 0
+        self.outbox: list[Batch] = []  # finished batches not yet handed to the consumer
+        self.finished = False  # its end has been emitted
+
+    def fresh(self, k: int) -> list[int]:
+        """Up to ``k`` not-yet-sent positions, in plan order."""
+        out = []
+        cur = self.cursor
+        while cur < self.n and len(out) < k:
+            if cur not in self.completed:
+                out.append(cur)
+            cur += 1
+        self.cursor = cur
+        return out
+
+    def uncovered(self, positions: Iterable[int]) -> list[int]:
+        """Those of ``positions`` neither done nor covered by a request in flight."""
+        done, cover = self.completed, self.cover
+        return [p for p in positions if p not in done and not cover.get(p)]
+
+    # --- batch assembly ----------------------------------------------------------
+    def deliver(self, pos: int, sample: Sample | None, nbytes: int) -> None:
+        """Position ``pos`` is done: ``sample`` (None: skipped) of ``nbytes``."""
+        self.pending_bytes += nbytes
+        if not self.in_order:
+            if sample is None:
+                self.skipped.append(pos)
+                return
+            batch = self.batch
+            batch.append(sample)
+            self.batch_pos.append(pos)
+            if len(batch) >= self.batch_size:
+                self._flush()
+            return
+        self.held[pos] = sample
+        while True:
+            if self.release in self.held:
+                self._take(self.release, self.held.pop(self.release))
+            elif self.release not in self.done_before:
+                break
+            self.release += 1
+
+    def _take(self, pos: int, sample: Sample | None) -> None:
+        if sample is None:
+            self.skipped.append(pos)
+            return
+        self.batch.append(sample)
+        self.batch_pos.append(pos)
+        if len(self.batch) >= self.batch_size:
+            self._flush()
+
+    def _flush(self) -> None:
+        samples, positions, self.batch, self.batch_pos = self.batch, self.batch_pos, [], []
+        datas = [s.data for s in samples]
+        targets = [s.target for s in samples]
+        frombuffer, u8 = np.frombuffer, np.uint8
+        self.outbox.append(Batch(
+            ids=np.array([s.id for s in samples], np.int64),
+            labels=np.array([s.label for s in samples], np.int32),
+            data=[frombuffer(d, u8) for d in datas],
+            targets=targets if any(t is not None for t in targets) else None,
+            epoch=self.plan.epoch,
+            positions=np.array(positions, np.int64),
+            nbytes=sum(map(len, datas)),
+            skipped=tuple(self.skipped),
+        ))
+        self.skipped = []
+
+    def finish(self, drop_last: bool) -> tuple[EndOfEpoch, int]:
+        """Flush (or drop) the last partial batch; the end marker and the bytes dropped."""
+        dropped: list[int] = []
+        nbytes = 0
+        if self.batch:
+            if drop_last:
+                dropped = self.batch_pos
+                nbytes = sum(len(s.data) for s in self.batch)
+                self.pending_bytes -= nbytes
+                self.batch, self.batch_pos = [], []
+            else:
+                self._flush()
+        end = EndOfEpoch(self.plan.epoch, tuple(self.skipped) + tuple(dropped))
+        self.skipped = []
+        self.finished = True
+        return end, nbytes
+
+
+class Run(Recovery):
     """Fetch this rank's epochs from ``source`` and ``emit`` batches.
 
     Starts at ``plan`` (resuming after ``done`` positions); when
@@ -289,27 +438,6 @@ class Run:
         self._held = "window"
         return True, _INF
 
-    def _probe(self, now: float) -> float:
-        """Breaker open: one request at a time, spaced by the backoff."""
-        if self._active:
-            return _INF  # the probe (or a request sent before the breaker opened) is out
-        if now < self._breaker.probe_at:
-            return self._breaker.probe_at
-        for ep in (self.current, self.ahead):
-            if ep is None or ep.finished:
-                continue
-            while ep.retries:
-                _, _, positions, attempt = heapq.heappop(ep.retries)
-                positions = ep.uncovered(positions)
-                if positions:
-                    self._start(ep, positions, attempt, now)
-                    return _INF
-            positions = ep.fresh(self.request_size)
-            if positions:
-                self._start(ep, positions, 1, now)
-                return _INF
-        return _INF
-
     def _start(self, ep: _Epoch, positions: list[int], attempt: int, now: float, *, hedge_of: _Req | None = None) -> _Req:
         sids = ep.plan.ids_at(positions).tolist()
         by_id = dict(zip(sids, positions))
@@ -361,23 +489,6 @@ class Run:
     async def _fetch(self, req: _Req) -> None:
         async for result in self.source.fetch(self.dataset, list(req.positions)):
             self._on_result(req, result)
-
-    def _expire(self, now: float) -> float:
-        """Cancel the requests past ``Retry.timeout`` (their ``_on_done`` sees a timeout); return
-        when the next one times out (inf: none in flight)."""
-        deadlines = self._deadlines
-        while deadlines:
-            deadline, req = deadlines[0]
-            task = req.task
-            if req not in self._active or task.done() or task.cancelling():
-                deadlines.popleft()  # answered, or cancelled already (a hedge twin made it redundant)
-                continue
-            if deadline > now:
-                return deadline
-            deadlines.popleft()
-            req.timed_out = True
-            task.cancel()
-        return _INF
 
     # --- results -------------------------------------------------------------
     def _on_result(self, req: _Req, result) -> None:
@@ -449,121 +560,6 @@ class Run:
                 twin.task.cancel()
         if ep is self.current and ep.completed.complete:
             self._poke()  # end the epoch now, not when the last request closes
-
-    def _on_done(self, req: _Req, now: float) -> None:
-        self._active.discard(req)
-        if req.hedge:
-            self._nhedge -= 1
-        else:
-            self._nreq -= 1
-        self._reserved -= req.reserved
-        ep = req.epoch
-        ep.active -= 1
-        ep.reserved -= req.reserved
-        cover = ep.cover
-        for p in req.all_positions():
-            if cover[p] > 1:
-                cover[p] -= 1
-            else:
-                del cover[p]
-        task = req.task
-        if req.timed_out and task.cancelled():
-            exc = TimeoutError(f"a request of {req.count} ids had no answer in {self.retry.timeout:g} s")
-        else:
-            exc = None if task.cancelled() else task.exception()
-        live = ep is self.current or ep is self.ahead
-        missing = ep.uncovered(req.all_positions())
-        if task.cancelled() and not req.timed_out:
-            pass  # a hedge twin made it redundant, or the epoch was abandoned
-        elif exc is None and not missing:
-            lat = now - req.start
-            full = not req.hedge and req.count >= req.size
-            self.link.rate_sample(now)
-            self.link.answered(lat, full, req.size, len(req.answered), req.sent_with, first=req.first - req.start)
-            c = self.c
-            c.request_latency = lat if c.request_latency is None else c.request_latency * 0.875 + lat * 0.125
-            c.answers += 1
-            c.latency_sum += lat
-            c.min_latency = self.link.min_latency
-            if full and len(self.link.latencies) >= 8 and c.answers % 8 == 0 and self.hedge.enabled:
-                p95 = quantile(self.link.latencies, 0.95)
-                self.link.hedge_after = max(self.hedge.min_delay, self.hedge.factor * p95)
-        else:
-            if exc is not None and not retryable(exc):
-                raise exc
-            if exc is None:
-                exc = StoreError(f"source answered {len(missing)} of the ids it was asked for with nothing")
-            self.c.failures += 1
-            self.link.failed()
-            self._breaker.failed(now)
-        if missing and live:
-            self._retry_later(ep, missing, exc or StoreError("request cancelled"), now)
-        if req.twin is not None and req.twin.twin is req:
-            req.twin.twin = None
-        self.c.inflight = len(self._active)
-
-    def _retry_later(self, ep: _Epoch, positions: list[int], exc: BaseException, now: float) -> None:
-        again = []
-        for p in positions:
-            first = ep.first_fail.setdefault(p, now)
-            if self.retry.gives_up(ep.attempts.get(p, 1), now - first):
-                self._fail(ep, p, exc, now)
-            else:
-                again.append(p)
-        if again:
-            attempt = max(ep.attempts.get(p, 1) for p in again) + 1
-            self.c.retries += len(again)
-            when = now + self.retry.delay(attempt, self._rand.random())
-            heapq.heappush(ep.retries, (when, next(self._seq), again, attempt))
-
-    def _maybe_hedge(self, now: float) -> float:
-        """Hedge requests past their deadline; return the next hedge deadline
-        (inf when hedging is off, the breaker is open, or the hedge budget is spent)."""
-        if not self.hedge.enabled or self._breaker.open:
-            return _INF
-        budget = max(1, int(self.hedge.max_fraction * self.link.window))
-        hedges = self._nhedge
-        heap = self._hedges
-        while heap:
-            deadline, _, req = heap[0]
-            if req not in self._active or req.twin is not None or req.deadline != deadline:
-                heapq.heappop(heap)  # answered, hedged already, or re-timed
-                continue
-            if hedges >= budget:
-                return _INF  # the next chance comes with an answer
-            if deadline > now:
-                return deadline
-            heapq.heappop(heap)
-            ep = req.epoch
-            rest = [p for p in req.all_positions() if p not in ep.completed]
-            req.deadline = _INF
-            if rest and self._budget_allows(int(len(rest) * self.link.reserve_bytes), ep):
-                self._start(ep, rest, req.attempt, now, hedge_of=req)
-                hedges += 1
-        return _INF
-
-    def _fail(self, ep: _Epoch, pos: int, exc: BaseException, now: float | None = None) -> None:
-        attempts = ep.attempts.get(pos, 1)
-        sid = int(ep.plan.ids_at(pos))
-        first = ep.first_fail.get(pos)
-        if isinstance(exc, CorruptSample):  # raised as itself: the bytes are wrong, not the store's reach
-            err = exc
-        else:
-            err = SampleFailed(
-                self.dataset, sid, attempts, exc, store=self._store,
-                failing_for=None if first is None or now is None else now - first,
-                down_for=None if self._breaker.down_since is None or now is None else now - self._breaker.down_since,
-            )
-        if self.errors.on_error == "raise" or ep.skipped_count >= self.errors.max_skipped:
-            raise err from (None if err is exc else exc)
-        if err is exc:  # counted when the consumer takes the skip (Loader._accept), not by a look-ahead
-            self.corrupt_skips[(ep.plan.epoch, pos)] = sid
-        ep.completed.add(pos)
-        ep.first_fail.pop(pos, None)
-        ep.attempts.pop(pos, None)
-        ep.skipped_count += 1
-        self._deliver(ep, pos, None, 0)
-        self._hand_over(ep)
 
     def _deliver(self, ep: _Epoch, pos: int, sample: Sample | None, nbytes: int) -> None:
         self.ready_bytes += nbytes

@@ -1,0 +1,181 @@
+"""What the engine does when a request does not come back whole: :class:`Recovery`, the
+half of ``_engine.Run`` that handles a request's end (its latency for the tuner, or its
+failure), retries with backoff until ``Retry.deadline``, hands a position that gives up to
+``ErrorPolicy`` (``SampleFailed``, or ``CorruptSample`` as itself), hedges slow requests,
+times out requests past ``Retry.timeout`` and, with the breaker open, probes one request at
+a time. A mixin: it runs on the engine's loop, on ``Run``'s state."""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+from dataferry.schema import CorruptSample, StoreError
+
+from ._retry import retryable
+from ._tuner import quantile
+from ._types import SampleFailed
+
+if TYPE_CHECKING:
+    from ._engine import _Epoch, _Req
+
+__all__ = ["Recovery"]
+
+_INF = float("inf")
+
+
+class Recovery:
+    """Failures, retries, hedges, timeouts and the breaker's probe, for ``_engine.Run``."""
+
+    def _probe(self, now: float) -> float:
+        """Breaker open: one request at a time, spaced by the backoff."""
+        if self._active:
+            return _INF  # the probe (or a request sent before the breaker opened) is out
+        if now < self._breaker.probe_at:
+            return self._breaker.probe_at
+        for ep in (self.current, self.ahead):
+            if ep is None or ep.finished:
+                continue
+            while ep.retries:
+                _, _, positions, attempt = heapq.heappop(ep.retries)
+                positions = ep.uncovered(positions)
+                if positions:
+                    self._start(ep, positions, attempt, now)
+                    return _INF
+            positions = ep.fresh(self.request_size)
+            if positions:
+                self._start(ep, positions, 1, now)
+                return _INF
+        return _INF
+
+    def _expire(self, now: float) -> float:
+        """Cancel the requests past ``Retry.timeout`` (their ``_on_done`` sees a timeout); return
+        when the next one times out (inf: none in flight)."""
+        deadlines = self._deadlines
+        while deadlines:
+            deadline, req = deadlines[0]
+            task = req.task
+            if req not in self._active or task.done() or task.cancelling():
+                deadlines.popleft()  # answered, or cancelled already (a hedge twin made it redundant)
+                continue
+            if deadline > now:
+                return deadline
+            deadlines.popleft()
+            req.timed_out = True
+            task.cancel()
+        return _INF
+
+    def _on_done(self, req: _Req, now: float) -> None:
+        self._active.discard(req)
+        if req.hedge:
+            self._nhedge -= 1
+        else:
+            self._nreq -= 1
+        self._reserved -= req.reserved
+        ep = req.epoch
+        ep.active -= 1
+        ep.reserved -= req.reserved
+        cover = ep.cover
+        for p in req.all_positions():
+            if cover[p] > 1:
+                cover[p] -= 1
+            else:
+                del cover[p]
+        task = req.task
+        if req.timed_out and task.cancelled():
+            exc = TimeoutError(f"a request of {req.count} ids had no answer in {self.retry.timeout:g} s")
+        else:
+            exc = None if task.cancelled() else task.exception()
+        live = ep is self.current or ep is self.ahead
+        missing = ep.uncovered(req.all_positions())
+        if task.cancelled() and not req.timed_out:
+            pass  # a hedge twin made it redundant, or the epoch was abandoned
+        elif exc is None and not missing:
+            lat = now - req.start
+            full = not req.hedge and req.count >= req.size
+            self.link.rate_sample(now)
+            self.link.answered(lat, full, req.size, len(req.answered), req.sent_with, first=req.first - req.start)
+            c = self.c
+            c.request_latency = lat if c.request_latency is None else c.request_latency * 0.875 + lat * 0.125
+            c.answers += 1
+            c.latency_sum += lat
+            c.min_latency = self.link.min_latency
+            if full and len(self.link.latencies) >= 8 and c.answers % 8 == 0 and self.hedge.enabled:
+                p95 = quantile(self.link.latencies, 0.95)
+                self.link.hedge_after = max(self.hedge.min_delay, self.hedge.factor * p95)
+        else:
+            if exc is not None and not retryable(exc):
+                raise exc
+            if exc is None:
+                exc = StoreError(f"source answered {len(missing)} of the ids it was asked for with nothing")
+            self.c.failures += 1
+            self.link.failed()
+            self._breaker.failed(now)
+        if missing and live:
+            self._retry_later(ep, missing, exc or StoreError("request cancelled"), now)
+        if req.twin is not None and req.twin.twin is req:
+            req.twin.twin = None
+        self.c.inflight = len(self._active)
+
+    def _retry_later(self, ep: _Epoch, positions: list[int], exc: BaseException, now: float) -> None:
+        again = []
+        for p in positions:
+            first = ep.first_fail.setdefault(p, now)
+            if self.retry.gives_up(ep.attempts.get(p, 1), now - first):
+                self._fail(ep, p, exc, now)
+            else:
+                again.append(p)
+        if again:
+            attempt = max(ep.attempts.get(p, 1) for p in again) + 1
+            self.c.retries += len(again)
+            when = now + self.retry.delay(attempt, self._rand.random())
+            heapq.heappush(ep.retries, (when, next(self._seq), again, attempt))
+
+    def _maybe_hedge(self, now: float) -> float:
+        """Hedge requests past their deadline; return the next hedge deadline
+        (inf when hedging is off, the breaker is open, or the hedge budget is spent)."""
+        if not self.hedge.enabled or self._breaker.open:
+            return _INF
+        budget = max(1, int(self.hedge.max_fraction * self.link.window))
+        hedges = self._nhedge
+        heap = self._hedges
+        while heap:
+            deadline, _, req = heap[0]
+            if req not in self._active or req.twin is not None or req.deadline != deadline:
+                heapq.heappop(heap)  # answered, hedged already, or re-timed
+                continue
+            if hedges >= budget:
+                return _INF  # the next chance comes with an answer
+            if deadline > now:
+                return deadline
+            heapq.heappop(heap)
+            ep = req.epoch
+            rest = [p for p in req.all_positions() if p not in ep.completed]
+            req.deadline = _INF
+            if rest and self._budget_allows(int(len(rest) * self.link.reserve_bytes), ep):
+                self._start(ep, rest, req.attempt, now, hedge_of=req)
+                hedges += 1
+        return _INF
+
+    def _fail(self, ep: _Epoch, pos: int, exc: BaseException, now: float | None = None) -> None:
+        attempts = ep.attempts.get(pos, 1)
+        sid = int(ep.plan.ids_at(pos))
+        first = ep.first_fail.get(pos)
+        if isinstance(exc, CorruptSample):  # raised as itself: the bytes are wrong, not the store's reach
+            err = exc
+        else:
+            err = SampleFailed(
+                self.dataset, sid, attempts, exc, store=self._store,
+                failing_for=None if first is None or now is None else now - first,
+                down_for=None if self._breaker.down_since is None or now is None else now - self._breaker.down_since,
+            )
+        if self.errors.on_error == "raise" or ep.skipped_count >= self.errors.max_skipped:
+            raise err from (None if err is exc else exc)
+        if err is exc:  # counted when the consumer takes the skip (Loader._accept), not by a look-ahead
+            self.corrupt_skips[(ep.plan.epoch, pos)] = sid
+        ep.completed.add(pos)
+        ep.first_fail.pop(pos, None)
+        ep.attempts.pop(pos, None)
+        ep.skipped_count += 1
+        self._deliver(ep, pos, None, 0)
+        self._hand_over(ep)
