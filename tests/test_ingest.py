@@ -306,7 +306,7 @@ def test_id_collisions_are_integrity_errors(store_url, dataset_name, tmp_path, m
     for name in ("x", "y"):
         (tmp_path / "c").mkdir(exist_ok=True)
         noise_image(8, 8).save(tmp_path / "c" / f"{name}.png")
-    import dataferry.schema._ingest as mod
+    import dataferry.schema._ingest._ingest as mod
 
     monkeypatch.setattr(mod, "sample_id", lambda dataset, rel: 42)
     with pytest.raises(IntegrityError, match=r"'c/x.png' and 'c/y.png' both hash to id 42"):

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._errors import ConfigError, DataferryError, DatasetNotFound, IntegrityError, InvalidImage, NotFound
-from ._errors import StoreError, StoreTimeout, StoreUnavailable
-from ._model import ALL_SPLIT, DatasetInfo, IdList, Sample, SampleMeta, check_name, sample_id
-from ._scan import Source, SourceFile, require_images, scan
-from ._store import SampleRecord, Store
-from ._validate import DEFAULT_MAX_PIXELS, ValidatedFile, ValidateOptions, validate_chunk, validator_pool
+from .._errors import ConfigError, DataferryError, DatasetNotFound, IntegrityError, InvalidImage, NotFound
+from .._errors import StoreError, StoreTimeout, StoreUnavailable
+from .._model import ALL_SPLIT, DatasetInfo, IdList, Sample, SampleMeta, check_name, sample_id
+from .._scan import Source, SourceFile, require_images, scan
+from .._store import SampleRecord, Store
+from .._validate import DEFAULT_MAX_PIXELS, ValidatedFile, ValidateOptions, validate_chunk, validator_pool
 
 __all__ = ["IngestOptions", "IngestReport", "ingest"]
 
