@@ -7,6 +7,7 @@ from dataferry.schema import CorruptSample, RequestRejected, TokenRefused, Undec
 from dataferry.schema.sources import HttpOptions, HttpSource, MemorySource
 
 from ._dali import DaliIterator, DaliOptions
+from ._decode_probe import decode_probe
 from ._types import Batch, SampleFailed
 from ._imagebatch import ImageBatch
 from ._attribution import Interval
@@ -45,4 +46,5 @@ __all__ = [
     "TrainTransform",
     "EvalTransform",
     "TargetKind",
+    "decode_probe",
 ]

@@ -49,6 +49,7 @@ _SHARED = {
     "_units": "parse_duration parse_rate parse_size",
     "_validate": "DEFAULT_MAX_PIXELS LOSSLESS ValidateOptions prepare_image validate_bytes validator_pool",
     "_scan": "require_images scan",
+    "_ingest": "AdviseOptions Link Rules advise_source advise_dataset recommend render ingest_command plot",
     "_table": "format_table",
     "_args": "store_arg positive run with_store",
     "_wire": (

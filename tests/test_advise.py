@@ -1,4 +1,4 @@
-"""``dataferry advise``: the storage advisor (client/_advise.py).
+"""``dataferry advise``: the storage advisor (schema/_ingest/, its CLI in schema/cli/_advise.py).
 
 One measurement of a real folder of mixed formats (synthetic ImageNet-like
 JPEGs plus PNG, WebP, BMP, TIFF and GIF photos, a corrupt file and a text
@@ -20,10 +20,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dataferry.client._advise import (
-    DEFAULT_MIN_PSNR, Advice, AdviseOptions, Link, Measurement, Rules, Strategy, advise_source, candidates,
-    choose_sample, dali_decode_rate, ingest_command, predict, recommend, render,
+from dataferry.client._decode_probe import dali_decode_rate
+from dataferry.schema._ingest._advise import (
+    DEFAULT_MIN_PSNR, Advice, AdviseOptions, Link, Measurement, Rules, Strategy, candidates,
+    choose_sample, ingest_command, predict, recommend, render,
 )
+from dataferry.schema.cli._advise import advise_source  # the advisor with this machine's decoders
 from dataferry.schema.cli import main
 from dataferry.schema._scan import scan
 from dataferry.schema._synthetic import make_synthetic

@@ -20,7 +20,7 @@ PUBLIC = {
         "PlanOptions", "Prefetch", "Retry", "SampleFailed", "CorruptSample", "UndecodableSample", "Stats", "Interval", "ClientMetrics", "serve_metrics",
         "HttpSource", "HttpOptions", "TokenRefused", "RequestRejected",
         "DaliIterator", "DaliOptions", "TorchIterator", "ImageBatch", "TrainTransform", "EvalTransform",
-        "TargetKind",
+        "TargetKind", "decode_probe",
     ],
     "dataferry.server": ["ServerOptions", "make_app", "Runner"],
     "dataferry.schema.sources": ["open_source", "open_store", "source_factory", "MemorySource", "HttpSource", "HttpOptions"],
@@ -43,6 +43,7 @@ SHARED = [
     "schema_statements", "parse_duration", "parse_rate", "parse_size",
     "DEFAULT_MAX_PIXELS", "LOSSLESS", "ValidateOptions", "prepare_image", "validate_bytes", "validator_pool",
     "require_images", "scan", "format_table", "store_arg", "positive", "run", "with_store",
+    "AdviseOptions", "Link", "Rules", "advise_source", "advise_dataset", "recommend", "render", "ingest_command", "plot",
     "FRAMES_TYPE", "IDLIST_TYPE", "IDS_TYPE", "decode_ids", "encode_ids", "encode_end", "encode_error", "encode_not_found", "encode_sample",
     "idlist_header", "idlist_parts", "wants_sums",
 ]

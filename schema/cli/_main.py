@@ -3,8 +3,8 @@
 Each subcommand is two plain functions: ``configure(parser)`` declares its
 arguments (cheap: it runs for ``--help``) and ``run(args) -> int`` does the
 work, importing numpy, Pillow and the stores only then, so ``dataferry
---help`` answers at once. :func:`command` registers a pair. Subcommands of
-other packages (``serve``, ``demo``, ``advise``, ``bench``, ``latency-proxy``)
+--help`` answers at once. :func:`command` registers a pair. Subcommands in
+modules of their own (``advise`` here; ``serve``, ``demo``, ``bench``, ``latency-proxy``)
 are listed in ``_MODULES`` and imported only when they are the command being run.
 
 Exit status: 0 on success; 1 when ingest rejected files (unless
@@ -26,14 +26,14 @@ __all__ = ["main", "command"]
 Configure = Callable[[argparse.ArgumentParser], None]
 _COMMANDS: dict[str, tuple[str, Configure]] = {}
 
-#: Subcommands that live in other packages: name -> (module, help). The module
+#: Subcommands in modules of their own, here (advise) or in other packages: name -> (module, help). The module
 #: has ``add_cli_arguments(parser)`` and ``cli(args) -> int``, and is imported
 #: only when its subcommand is the one asked for.
 _MODULES: dict[str, tuple[str, str]] = {
     "serve": ("dataferry.server.cli", "serve a store's samples over HTTP to remote training jobs"),
     "latency-proxy": ("dataferry.bench.latency_proxy_cli", "a TCP proxy that adds delay, jitter and a bandwidth cap"),
     "demo": ("dataferry.bench.demo", "ingest synthetic images, serve them, and stream epochs across an emulated WAN link"),
-    "advise": ("dataferry.client.advise_cli",
+    "advise": ("dataferry.schema.cli._advise",
                "measure how to store a dataset (original, JPEG qualities, resized, lossless) and recommend one"),
     "bench": ("dataferry.bench.cli", "throughput against RTT, loss and link rate: ours, a naive DataLoader, WebDataset"),
 }

@@ -1,8 +1,9 @@
 """``dataferry advise``: its arguments and its run (the CLI imports this module only for that command).
 
-The advisor measures decoding on the machine that will train (Pillow on its
-usable cores, DALI on its GPU), so it lives with the client; the CLI
-dispatcher finds it by name.
+The advisor lives with ingest (``dataferry.schema``) and measures decoding on
+the machine that will train; from up here, the top floor, this module hands it
+the client's decoders (``dataferry.client.decode_probe``): :func:`advise_source`
+and :func:`advise_dataset` are the advisor's, measured with them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,23 @@ import argparse
 from dataferry.schema import ConfigError, positive as _positive, run as _run, store_arg as _store_arg
 from dataferry.schema import with_store as _with_store
 
-__all__ = ["add_cli_arguments", "cli"]
+__all__ = ["add_cli_arguments", "cli", "advise_source", "advise_dataset"]
+
+
+def advise_source(src: str, options=None):
+    """``dataferry.schema.advise_source`` with this machine's decoders (``options``: an ``AdviseOptions``)."""
+    from dataferry.client import decode_probe
+    from dataferry.schema import AdviseOptions, advise_source as measure_source
+
+    return measure_source(src, AdviseOptions() if options is None else options, probe=decode_probe)
+
+
+async def advise_dataset(store, dataset: str, options=None):
+    """``dataferry.schema.advise_dataset`` with this machine's decoders (``options``: an ``AdviseOptions``)."""
+    from dataferry.client import decode_probe
+    from dataferry.schema import AdviseOptions, advise_dataset as measure_dataset
+
+    return await measure_dataset(store, dataset, AdviseOptions() if options is None else options, probe=decode_probe)
 
 
 def add_cli_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,8 +60,8 @@ def add_cli_arguments(p: argparse.ArgumentParser) -> None:
 def cli(args: argparse.Namespace) -> int:
     if args.src is None and args.dataset is None:
         raise ConfigError("advise needs a source: SRC (a folder or manifest), or --dataset NAME for a stored dataset")
-    from ._advise import AdviseOptions, Link, Rules, advise_dataset, advise_source, ingest_command, plot, recommend, render
-    from dataferry.schema import check_name, parse_duration, parse_rate
+    from dataferry.schema import AdviseOptions, Link, Rules, check_name, ingest_command, parse_duration, parse_rate
+    from dataferry.schema import plot, recommend, render
 
     link = Link(parse_rate(args.link), parse_duration(args.rtt))
     rules = Rules(min_psnr=args.min_psnr, max_side=args.max_side)

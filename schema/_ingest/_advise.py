@@ -21,8 +21,9 @@ import shlex
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import numpy as np
 from PIL import Image
@@ -40,7 +41,7 @@ from dataferry.schema import (
 __all__ = [
     "DEFAULT_MIN_PSNR", "Strategy", "candidates", "AdviseOptions", "Link", "Rules", "Measurement", "Advice",
     "Prediction", "Recommendation", "choose_sample", "measure", "advise_source", "advise_dataset", "predict",
-    "recommend", "render", "ingest_command", "plot", "dali_decode_rate",
+    "recommend", "render", "ingest_command", "plot", "DecodeProbe", "Probe",
 ]
 
 #: the fidelity a lossy source's strategies must keep unless ``Rules.min_psnr`` says otherwise
@@ -51,6 +52,22 @@ SETUP_RTTS = 4
 TIE = 1.01
 
 _LOSSLESS_FORMATS = frozenset({"PNG", "BMP", "PPM", "GIF", "TGA", "QOI", "JPEG2000"})
+
+
+class DecodeProbe(Protocol):
+    """The decoders of the machine that will train, as the advisor measures them: ``cores``
+    decode with Pillow; ``dali`` names what the DALI column measures (None: no column) and
+    ``dali_rate`` times DALI's decoder over encoded images (images/s)."""
+
+    cores: int
+    dali: str | None
+
+    def dali_rate(self, blobs: Sequence[bytes]) -> float: ...
+
+
+#: the advisor's one seam to the client, which lives a floor above: ``probe(AdviseOptions.dali)``
+#: -> this machine's :class:`DecodeProbe` (the CLI passes ``dataferry.client.decode_probe``)
+Probe = Callable[[str | None], DecodeProbe]
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,7 +361,7 @@ def _measure_chunk(jobs: Sequence[tuple[str, str | None, bytes | None]], strateg
 
 
 def measure(jobs: Sequence[tuple[str, str | None, bytes | None]], *, source: str, num_images: int,
-            options: AdviseOptions = AdviseOptions()) -> Advice:
+            options: AdviseOptions = AdviseOptions(), probe: Probe) -> Advice:
     """Measure every candidate strategy on the sampled ``jobs`` (``(name, path, data)``), per strategy:
 
     * **bytes** per image, the mean over the sample;
@@ -352,10 +369,10 @@ def measure(jobs: Sequence[tuple[str, str | None, bytes | None]], *, source: str
       check, re-encode), the work ingest spreads over its worker processes;
     * **CPU decode** rate: CPU per image of a Pillow decode to RGB (what the
       PyTorch path does per sample), times the usable cores
-      (``client._hardware.usable_cores``): images/s when every core decodes;
+      (``probe``'s ``cores``): images/s when every core decodes;
     * **GPU decode** rate, when DALI sees a GPU and torch has CUDA: DALI's
       ``mixed`` decoder over the encoded sample in batches of 32, images per
-      second of wall time (:func:`dali_decode_rate`); None otherwise
+      second of wall time (``probe``'s ``dali_rate``); None otherwise
       (``AdviseOptions(dali="cpu")`` runs the same pipeline on DALI's CPU
       decoder); bytes DALI cannot decode (GIF) leave the row's rate None with
       the reason in ``gpu_error``;
@@ -371,14 +388,12 @@ def measure(jobs: Sequence[tuple[str, str | None, bytes | None]], *, source: str
     (``jpeg2000``: lossless; nvJPEG2000 decodes it on GPUs) are candidates
     unless the source is lossy.
     """
-    from ._hardware import usable_cores
-
     sniffed = [_sniff(name, path, data) for name, path, data in jobs]
     lossless = [ok for fmt, ok in sniffed if fmt != "?"]
     kind = "lossless" if lossless and all(lossless) else "lossy" if not any(lossless) else "mixed"
     strategies = candidates(kind, options.qualities, options.sides, options.resize_quality)
-    dali = _dali_device(options.dali)
-    cores = usable_cores()
+    machine = probe(options.dali)
+    dali, cores = machine.dali, machine.cores
     results = _run_jobs(jobs, strategies, options, keep=dali is not None)
     valid = [r for r in results if isinstance(r, _ImageResult)]
     rejected = tuple((r.path, r.reason) for r in results if isinstance(r, InvalidImage))
@@ -391,14 +406,14 @@ def measure(jobs: Sequence[tuple[str, str | None, bytes | None]], *, source: str
         gpu_rate, gpu_error = None, None
         if dali is not None:
             try:
-                gpu_rate = dali_decode_rate([c.blob for c in cells], device=dali[0])
+                gpu_rate = machine.dali_rate([c.blob for c in cells])
             except Exception as exc:  # noqa: BLE001 - a format DALI does not decode (GIF): the row says so
                 gpu_error = _first_line(exc)
         rows.append(_aggregate(s, valid, cells, cores, gpu_rate, gpu_error))
     measured = {r.name for r in valid}
     formats = Counter(fmt for (name, _, _), (fmt, _) in zip(jobs, sniffed) if name in measured)
     return Advice(source, num_images, tuple(r.name for r in valid), rejected, tuple(formats.most_common()), kind,
-                  cores, dali[1] if dali else None, options.seed, tuple(rows))
+                  cores, dali, options.seed, tuple(rows))
 
 
 def _aggregate(s: Strategy, valid: Sequence[_ImageResult], cells: Sequence[_Cell], cores: int,
@@ -449,33 +464,6 @@ def _run_jobs(jobs, strategies, options: AdviseOptions, keep: bool) -> list[_Ima
         bar.close()
 
 
-def _dali_device(choice: str | None) -> tuple[str, str] | None:
-    """``(device, description)`` for the DALI column, or None for no column (see :class:`AdviseOptions`)."""
-    if choice == "off":
-        return None
-    if choice == "cpu":
-        return "cpu", "DALI's CPU decoder"
-    name = _gpu_name()
-    if name is None and choice == "gpu":
-        raise ConfigError("no GPU for DALI's mixed decoder (DALI sees no CUDA device, or torch has no CUDA)")
-    return ("gpu", f"{name}, DALI mixed") if name is not None else None
-
-
-def _gpu_name() -> str | None:
-    """The GPU DALI's mixed path would use, or None (no GPU, no driver, no CUDA torch, no DALI)."""
-    from ._dali import dali_gpu_count
-
-    if dali_gpu_count() == 0:
-        return None
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_name(torch.cuda.current_device())
-
-
 def _first_line(exc: BaseException) -> str:
     """The line that says what went wrong: DALI's errors put it after ``encountered:``."""
     lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
@@ -484,65 +472,11 @@ def _first_line(exc: BaseException) -> str:
     return (lines[0] if lines else type(exc).__name__)[:160]
 
 
-def dali_decode_rate(blobs: Sequence[bytes], *, device: str = "gpu", batch: int = 32, rounds: int = 3) -> float:
-    """Images/s of DALI's image decoder over ``blobs``: ``mixed`` (nvJPEG, nvJPEG2000)
-    on the current GPU for ``device="gpu"``, the CPU decoder for ``"cpu"``. Wall
-    time of ``rounds`` passes over the blobs in batches of ``batch``, after one
-    warm-up pass; threads and hardware-decoder share as the DALI iterator's defaults."""
-    from ._dali import import_dali
-    from ._hardware import decoder_defaults, usable_cores
-
-    if not blobs:
-        raise ConfigError("nothing to decode: no blobs")
-    dali = import_dali()
-    fn, types = dali.fn, dali.types
-    arrays = [np.frombuffer(b, np.uint8) for b in blobs]
-    n, batch = len(arrays), min(batch, len(arrays))
-    per_pass = -(-n // batch)
-    state = {"next": 0}
-
-    def source():
-        i = state["next"]
-        state["next"] = i + batch
-        return [arrays[(i + k) % n] for k in range(batch)]
-
-    gpu = device == "gpu"
-    capability, name, device_id, torch = None, "", None, None
-    if gpu:
-        import torch
-
-        device_id = torch.cuda.current_device()
-        capability, name = torch.cuda.get_device_capability(device_id), torch.cuda.get_device_name(device_id)
-    auto = decoder_defaults("gpu" if gpu else "cpu", capability, name, usable_cores())
-    dec = {"device": "mixed" if gpu else "cpu", "output_type": types.RGB}
-    if gpu:
-        dec["hw_decoder_load"] = auto.hw_decoder_load
-
-    @dali.pipeline_def(batch_size=batch, num_threads=auto.threads, device_id=device_id, prefetch_queue_depth=2,
-                       exec_dynamic=True)
-    def pipe():
-        return fn.decoders.image(fn.external_source(source=source, batch=True, dtype=types.UINT8, ndim=1), **dec)
-
-    p = pipe()
-    p.build()
-    for _ in range(per_pass):  # warm-up: allocations, decoder start
-        p.run()
-    if torch is not None:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(per_pass * rounds):
-        p.run()
-    if torch is not None:
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    del p
-    return per_pass * rounds * batch / wall
-
 
 # --- the two sources ------------------------------------------------------------
 
 
-def advise_source(src: str, options: AdviseOptions = AdviseOptions()) -> Advice:
+def advise_source(src: str, options: AdviseOptions = AdviseOptions(), *, probe: Probe) -> Advice:
     """:func:`measure` a sample of an ImageFolder tree or a manifest, as ``dataferry ingest`` takes."""
     from dataferry.schema import require_images, scan
 
@@ -551,10 +485,10 @@ def advise_source(src: str, options: AdviseOptions = AdviseOptions()) -> Advice:
     picked = [source.files[i] for i in choose_sample(len(source.files), options.sample, options.seed)]
     jobs = [(f.relpath, f.path, None) for f in picked]
     where = source.manifest or source.root
-    return measure(jobs, source=where, num_images=len(source.files), options=options)
+    return measure(jobs, source=where, num_images=len(source.files), options=options, probe=probe)
 
 
-async def advise_dataset(store, dataset: str, options: AdviseOptions = AdviseOptions()) -> Advice:
+async def advise_dataset(store, dataset: str, options: AdviseOptions = AdviseOptions(), *, probe: Probe) -> Advice:
     """:func:`measure` a sample of a stored dataset (its split ``all``): the bytes as stored are the original."""
     import asyncio
 
@@ -572,7 +506,8 @@ async def advise_dataset(store, dataset: str, options: AdviseOptions = AdviseOpt
             data[result.id] = bytes(result.data)
     jobs = [(meta[i].path if i in meta else str(i), None, data[i]) for i in ids if i in data]
     where = f"dataset {dataset!r} in {store.url}"
-    return await asyncio.to_thread(measure, jobs, source=where, num_images=len(idlist.ids), options=options)
+    return await asyncio.to_thread(measure, jobs, source=where, num_images=len(idlist.ids), options=options,
+                                   probe=probe)
 
 
 # --- predicting and recommending --------------------------------------------------
