@@ -21,10 +21,11 @@ import pytest
 from PIL import Image
 
 from dataferry.client._decode_probe import dali_decode_rate
-from dataferry.schema._ingest._advise import (
+from dataferry.schema._ingest._advice import (
     DEFAULT_MIN_PSNR, Advice, AdviseOptions, Link, Measurement, Rules, Strategy, candidates,
-    choose_sample, ingest_command, predict, recommend, render,
 )
+from dataferry.schema._ingest._measure import choose_sample
+from dataferry.schema._ingest._recommend import ingest_command, predict, recommend, render
 from dataferry.schema.cli._advise import advise_source  # the advisor with this machine's decoders
 from dataferry.schema.cli import main
 from dataferry.schema._scan import scan
