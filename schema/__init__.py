@@ -1,9 +1,9 @@
 """dataferry.schema: the data layer.
 
 The data model, the error tree, the one source seam (:class:`SampleSource` /
-:class:`Store`), the CQL schema and ingest; every source (SQLite,
-Cassandra/ScyllaDB, the data service's HTTP client, memory) lives in
-``sources/``, behind its one URL dispatcher. The lowest floor, importing no
+:class:`Store`), the CQL schema, and ingest with its storage advisor
+(``_ingest/``); every source (SQLite, Cassandra/ScyllaDB, the data service's
+HTTP client, memory) lives in ``sources/``, behind its one URL dispatcher. The lowest floor, importing no
 other dataferry package. Its public face: ``__all__`` (a training script's
 names), ``_SHARED`` (what the server, the client and the CLI in ``cli/`` take
 from the contract) and ``dataferry.schema.sources``; other packages import

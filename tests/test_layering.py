@@ -2,7 +2,8 @@
 
 Floors, lowest first:
 
-0. ``schema``: the contract both sides share (model, errors, seam, wire, ingest), and every
+0. ``schema``: the contract both sides share (model, errors, seam, wire, ingest and the storage
+   advisor, which measures decoding through a seam the CLI fills with the client's), and every
    source behind the one URL dispatcher (``schema/sources/``: the stores, the data service's
    client, the in-memory source);
 1. ``server`` and ``client``: the two sides; neither imports the other;
