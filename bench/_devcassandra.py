@@ -6,21 +6,7 @@ and its runtime dependencies, with ``mvn``) into a cache folder
 (``$DATAFERRY_CACHE``, else ``~/.cache/dataferry``) and run with the installed
 ``java`` (17, with the JPMS flags of Cassandra's own ``jvm17-server.options``).
 
-:class:`DevCluster` runs ``n`` nodes on ``127.0.0.1`` .. ``127.0.0.n``, all on
-the same two ports (CQL and storage), as ``ccm`` does; every node has its own
-data folder, its own ``cassandra.yaml`` and the same evenly spaced tokens
-(``num_tokens`` per node, interleaved), so the ring is balanced and the same on
-every run. A node can be killed (SIGKILL), stopped, started again on its data,
-frozen (SIGSTOP) and thawed::
-
-    with DevCluster(3) as cluster:
-        url = cluster.url("ks")          # cassandra://127.0.0.1,127.0.0.2,127.0.0.3:PORT/ks
-        cluster.nodes[1].kill(); cluster.nodes[1].start()
-
-:class:`DevCassandra` is the one-node case. ``tls=True`` also accepts TLS on
-the CQL port (``client_encryption_options.optional``: plain and TLS on one
-port), with a self-signed certificate whose PEM is :attr:`DevCluster.ca_path`.
-``python -m dataferry.bench._devcassandra --nodes 3`` runs one until Ctrl-C.
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

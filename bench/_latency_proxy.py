@@ -6,57 +6,7 @@ It is a lab tool, not part of the client: ``dataferry latency-proxy`` runs it
 from the command line (``latency_proxy_cli.py``), and the durations and rates
 it takes are parsed in ``dataferry.schema._units``.
 
-It behaves like a pipe with propagation delay, not like stop-and-wait. Each
-direction of each connection is one :class:`_Pipe` between two :class:`_Side`
-protocols (the client's socket and the upstream's)::
-
-    source --buffer_updated--> deque[(release_time, chunk)] --timer--> destination
-      reading pauses while one more read     one call_later timer, set for the head's
-      could take the deque past the cap      release time, writes every chunk that is
-      (backpressure, nothing unbounded)      due until the socket's write buffer is full
-                                             (pause_writing), then waits for resume_writing
-
-A chunk read at time *t* is released at *t + delay*, so reading goes on while
-earlier chunks are in flight: a round trip grows by 2 × delay (plus at most a
-millisecond of timer slack) and a bulk transfer keeps its throughput, the
-proxy holding the bandwidth-delay product. Jitter varies each chunk's delay
-within ± jitter but never reorders: a release time is never earlier than the
-one before it (so within a burst the delays lean to the high end, as with
-netem). A rate serialises chunks one after another ("next free time") before
-the delay. Each direction holds at most ``LinkOptions.buffer_cap`` bytes, plus
-the destination socket's write buffer (``_WRITE_HIGH``, about 1 MiB).
-
-A TCP window: like a real sender, each direction of each connection has at
-most ``LinkOptions.window`` bytes in flight, unacknowledged: read from the
-source and not yet acknowledged, which happens one delay after the chunk is
-written to the destination (its ACK's trip back). So one connection carries
-at most window / RTT, as over a real long path, whatever the proxy could move.
-The default window is the kernel's ``net.ipv4.tcp_rmem`` maximum, the most a
-receiver here would advertise.
-
-What it does not emulate: slow start and congestion control (a connection
-gets its whole window at once), loss and retransmission, and the sender's own
-buffer limits. Throughput through it is an upper bound for a real path with
-the same RTT and window.
-
-A fresh connection pays the TCP handshake's round trip: data the client sends
-reaches the upstream no earlier than 3 × delay after the connection was
-accepted (SYN, SYN-ACK, then the data), and data the upstream sends first
-reaches the client no earlier than 2 × delay. ``handshake=False`` turns this
-off.
-
-End of stream travels like data: an EOF is delivered, after the delay, as
-``write_eof`` on the other side, so half-closed connections work. A reset
-reaches the other side as a reset (``SO_LINGER`` 0) after the delay. With no
-delay, jitter or rate, each read is written straight through: no queue, no
-timers, flow control by pausing the source while the destination's buffer is
-full.
-
-Why protocols and not streams: a ``BufferedProtocol`` reads into a buffer of
-the size the pipe asks for (so the cap is exact and a slow rate reads small
-chunks), and no ``StreamReader`` copies, futures or per-direction tasks sit on
-the path (``python -m dataferry.bench.proxy_check`` measures its throughput
-and CPU per GB).
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

@@ -4,25 +4,7 @@ A link is told one :class:`Condition` at a time (RTT, loss, rate, jitter) and
 gives back a *route*: ``route((host, port)) -> (host, port)``, the address a
 loader dials to reach that server across the link.
 
-* :class:`ProxyLink` (``--link proxy``): servers on loopback; per condition,
-  one ``dataferry latency-proxy`` process per server, delaying every byte by
-  RTT/2 each way. The proxy runs in its own process so that its CPU is not
-  counted as the client's and it does not share the client's GIL. It cannot
-  drop packets (a loss above zero is not applicable), and its rate caps each
-  TCP connection on its own, not the link.
-* :class:`NamespaceLink` (``--link netem`` and ``--link veth``): the topology
-  of ``deploy/netem/``; this process runs in ``PREFIX-cli`` and servers are
-  started in ``PREFIX-srv`` through ``wrap``. With netem, ``shape.sh`` puts
-  delay, jitter, loss and rate on both veth ends and routes are the servers'
-  own addresses. Without netem (``veth``), the rate is a ``tbf`` on both ends,
-  one cap for all connections like a real link, and the delay comes from
-  latency-proxy processes in the server namespace; loss is not applicable.
-
-Both start the development Cassandra for the CQL path (``cassandra``) with
-:func:`~._common.prepared_store`. ``python -m dataferry.bench._links
-cassandra --host H --images N`` does that in the server namespace: Cassandra
-5.0 listens on its namespace's loopback only, so a plain forwarder (the
-latency proxy with no delay) exposes it on ``H``.
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

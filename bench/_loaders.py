@@ -4,18 +4,7 @@ A factory is ``make() -> iterator of (samples, bytes)`` per batch; the
 iterator runs epochs back to back until closed, and its ``in_flight()`` says
 how many requests (or streams) it kept in flight (:class:`Batches`).
 
-* :func:`ours`: the engine behind :class:`~dataferry.client.Loader`, on any
-  source URL (``http://`` for the data service, ``cassandra://`` for CQL);
-* :func:`naive`: a torch DataLoader, 16 persistent worker processes by
-  default, each making one blocking request per sample, over
-  :class:`NaiveHttpDataset` or :class:`NaiveCqlDataset`;
-* :func:`concurrent`: the ConcurrentDataloader design (Svogor et al., 2022,
-  "Profiling and Improving the PyTorch Dataloader for high-latency Storage"):
-  persistent DataLoader workers, each handed a whole batch of indices
-  (``__getitems__``) that it fetches with a pool of threads, one request per
-  sample (:class:`ConcurrentHttpDataset`);
-* the WebDataset baseline is in :mod:`.webdataset_baseline`, MosaicML
-  Streaming and LitData in :mod:`._s3peers`.
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

@@ -4,18 +4,7 @@
 
 Two parts, each the median of ``--repeats``:
 
-* **the checksum alone**, per ``--size`` bytes of random data: XXH3-64 (what
-  the stores keep and the engine checks, ``dataferry.schema.sample_checksum``),
-  beside the candidates it was chosen over (CRC32C when the ``crc32c``
-  package is installed; ``zlib.crc32``; sha256, what ``sample_meta`` records);
-* **the engine with and without it**: a :class:`~dataferry.client.Loader`
-  over a :class:`~dataferry.client.MemorySource` of ``--images`` samples of
-  ``--size`` bytes that carry their checksum, ``--epochs`` epochs, the
-  consumer doing nothing; this process's CPU (every thread) per sample
-  delivered, ``ErrorPolicy(verify=True)`` (the default) against
-  ``verify=False``, the runs interleaved. The difference is what verification
-  adds to the client's CPU per sample (over HTTP or Cassandra the client pays
-  110-190 us a sample in all: ``bench/results/client_cpu.md``, ``cql_path.md``).
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

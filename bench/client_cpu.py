@@ -5,46 +5,7 @@
                                          [--pin] [--floor] [--no-memory] [--fetch-sizes 4,8,32,128]
                                          [--loader-sizes 32,128]
 
-A real ``dataferry serve`` (its own process, :func:`~._common.data_server`)
-over a SQLite store of ``--images`` samples of about 110 KB (synthetic JPEGs,
-made once and cached in the temp folder; ``--data random`` for random bytes
-of the same sizes, instant). For each RTT of ``--rtts`` (0: loopback direct;
-otherwise through one ``dataferry latency-proxy`` process, its own CPU not
-counted), ``--repeats`` runs of a :class:`~dataferry.client.Loader` reading
-``--epochs`` epochs in completion order, the consumer doing nothing with the
-batches. Each run is measured from its first batch to its last (the start-up
-and the id list are left out): the CPU of this process only (every thread of
-it: the engine's loop and the consumer; the server and the proxy are other
-processes), user and system apart, divided by the samples delivered, and
-samples/s. Printed: the median of the repeats, with the engine alone over a
-:class:`~dataferry.client.MemorySource` of the same sizes as the reference
-(what is left when the network side costs nothing).
-
-``--floor`` adds the kernel's share on its own: another process writes the
-same kind of bytes (at least 20,000 x 110 KB) into a loopback
-TCP connection and this one only ``recv_into``s them, 4 MiB at a time, into
-a ring of buffers as large as the Loader's (CPU per 110 KB: the socket
-copy and the loopback TCP work, no Python per sample). On loopback the
-receiver pays more than over a NIC: the ACKs it sends are processed, and the
-sender's next segments transmitted and queued, in its own system time.
-
-``--fetch-sizes`` adds ``HttpSource.fetch`` alone, without the engine: 4
-tasks sending requests of each size, the loop thread's CPU (user + system,
-``time.thread_time``) per sample, median of ``--repeats``; with two sizes or
-more, the CPU per request and per sample fitted to them (``a / n + b``).
-
-``--loader-sizes`` adds the Loader over HTTP with its request size fixed
-(``Prefetch(request_size=n)``, the tuner's choice taken away), measured as
-the HTTP row: against ``HttpSource.fetch`` alone at the same size it gives
-what the engine, its tasks and the consumer's thread add per sample; against
-the tuned row, what the tuner's request size costs. The HTTP rows also print
-the mean ids per request (requests sent over the measured span).
-
-``--pin`` runs the server (and the floor's sender) on CPU 0 and this process
-on the others (``taskset`` / ``os.sched_setaffinity``), so the client's
-figures are not shared with the server's on a small machine. It cannot show
-the client on a machine of its own: the kernel's loopback work stays split
-as above, and other processes on CPU 1 still count against the wall time.
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

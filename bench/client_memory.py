@@ -4,31 +4,7 @@
                                             [--repeats 3] [--parts sqlite,http] [--folder DIR]
                                             [--http-batch 64]
 
-``sqlite``: a SQLite store of ``--samples`` tiny samples (16 bytes each, so
-what grows is the client's bookkeeping, not data), built through the store
-API once and cached in ``--folder`` (the temp folder) keyed by its size. A
-fresh process imports what a Loader imports, reads its RSS (the baseline),
-opens a ``Loader`` on the store (batch 256, default options) and prints its
-RSS above the baseline at the first batch, at 30% of the epoch, at its end,
-and at the next epoch's first batch; the seconds from ``Loader(...)`` to the
-first batch, and the epoch's samples/s.
-
-``http``: a real ``dataferry serve`` (its own process) over a SQLite store of
-``--http-samples`` random-byte samples of JPEG sizes (110 KB +- 30 KB,
-``bench/load_server.py``'s ``random`` data), a fresh process reading two
-epochs through ``Loader(http://..., prefetch=Prefetch(max_bytes=32 MiB))``,
-batch ``--http-batch`` (64), a slow consumer (20 ms per 64 samples, about a
-third of the rate the loopback gives). Printed: the peak RSS above the baseline (``VmHWM`` reset at
-the baseline), as a multiple of the budget, beside the bound client/README.md
-documents (1.25 x budget + a fixed 16 MiB), and the engine's own peak
-accounting (``Stats.peak_bytes``) against the budget.
-Each part runs ``--repeats`` times in fresh processes; medians are printed.
-
-What it cannot show: RSS is the process's, so the allocator's and the
-kernel's choices (glibc's arenas and trim threshold, transparent huge pages)
-are in it; the server's memory is not (another process), nor the kernel's
-socket buffers (not RSS). One machine, loopback only: a long link holds more
-in flight, within the same budget.
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

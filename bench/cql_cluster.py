@@ -3,38 +3,7 @@
 ``python -m dataferry.bench.cql_cluster [--nodes 3] [--images 2048] [--repeats 3] [--rtts 0,100]
 [--batch-size 256] [--workers 2] [--parts ingest,serve]``
 
-Two stores run side by side for the whole bench, so that the repeats interleave:
-a cluster of ``--nodes`` Cassandra 5.0 nodes (``_devcassandra.DevCluster``,
-``127.0.0.1`` .. ``127.0.0.n``, keyspaces of replication factor n) and, for
-comparison, one node on its own (``127.0.0.{n+1}``, replication factor 1).
-Every URL is the store's own with no options: the default consistency
-(LOCAL_QUORUM with 3 replicas or more, else ONE), which the header prints.
-
-* **ingest**: ``dataferry ingest FOLDER --quiet`` of ``--images`` synthetic
-  JPEGs (``make_synthetic``, made once, about 110 KB each; validation on every
-  core, as by default), a process of its own timed from its start to its exit,
-  into a new keyspace per run (``schema apply`` before it, not timed); a run
-  that fails is counted with its error and run again (untimed) to finish.
-  Samples/s and MB/s (the files' bytes: ingest stores them as they are), the
-  ingest's CPU per sample (its process and its validation workers: the
-  children's rusage) and the nodes' (every JVM of that store, from ``/proc``,
-  over the same span).
-* **serve**: ``dataferry serve --workers W`` on each store's URL (the cluster's
-  names every node) over the keyspace of the first ingest, and a Loader over
-  HTTP through a latency-proxy process per RTT (``_links.ProxyLink``), one
-  epoch in a fresh process per run: first batch, samples/s from creating the
-  Loader (and over the same store's 0 ms run, run for run) and after the first
-  batch, the client's CPU per sample after the first batch (as ``cql_path``),
-  and the server's (every worker: ``_common.process_cpu_s``) and the nodes'
-  CPU per sample served, over the child's whole run (its start-up included:
-  the server and the nodes idle meanwhile: the nodes' idle CPU, measured
-  before, is printed), with the engine's mean requests in flight and their
-  latency.
-
-Direct CQL to a cluster through the proxy is not measured: the driver learns
-the nodes' own addresses from ``system.peers`` and opens its pools to them past
-the proxy, so only the control connection would cross the emulated link
-(``cql_path`` measures direct CQL to one node, which has no peers).
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

@@ -4,59 +4,7 @@
 [--paths hot,driver] [--also concurrency=1024] [--proxy-window none]``
 ``python -m dataferry.bench.cql_path --read-path [--frames 2000] [--repeats 3]``
 
-A throwaway Cassandra 5.0 node (``_devcassandra``, spoken to at protocol v4) holds ``--images``
-synthetic JPEGs (about 110 KB each). Each run is a fresh process (no driver
-state carried over) that creates a ``Loader`` on the store URL and reads one
-epoch; runs go straight to the server ("direct") and through a latency-proxy
-process per RTT (the proxy is the only address the driver is given: a
-one-node cluster has no peers for it to discover past the proxy). Repeats are
-interleaved; the table shows medians. ``--paths hot,driver`` runs each link
-twice per repeat: sample reads on the store's hot path (the default,
-``schema/sources/cassandra/_hot.py``) and, in rows marked "driver path", through the
-driver's ``Session.execute_async`` as every read went before it (the hot
-path switched off in that child process only). ``--also OPTIONS`` (store URL
-options, given once per set) runs every link again with them, in rows named
-with them, interleaved: what a store option changes on the same links.
-``--proxy-window BYTES`` gives the proxies that TCP window per connection and
-direction (``none``: unlimited) instead of the kernel's ``tcp_rmem`` maximum.
-
-Per run:
-
-* **first batch**: seconds from creating the Loader to the first batch (the
-  connection set-up, the id list, the first reads);
-* **set-up requests** and **connections**: CQL messages the driver sent
-  before the first sample read, and connections it opened before the first
-  batch (counted by a hook on the driver's ``Connection.send_msg``); with the
-  RTT, ``first batch / RTT`` is the set-up's length in round trips;
-* **samples/s from creating the Loader**: the whole epoch over the wall time from
-  creating the Loader to its last batch (what a user sees); **of proxy 0 ms**:
-  that rate over the same path's through the proxy at 0 ms, run for run (the
-  median of the repeats' ratios); **after the first batch**: from the first
-  batch to the end of the epoch;
-* **phases**: ms from creating the Loader to the first message of each kind
-  (STARTUP, the control connection's REGISTER, PREPARE, the first EXECUTE:
-  the split read, the first sample read) and to the first batch; the driver's
-  import, done before the clock starts (the hook on its send path needs it),
-  is shown beside;
-* **CPU us/sample**: this process's CPU (every thread: the engine's loop and
-  the driver's IO thread) from the first batch to the end of the epoch, per
-  sample, and of that the driver's IO thread's (libev's ``event_loop``: reading,
-  decoding, callbacks) and the engine loop's (``dataferry-engine``: issuing
-  requests, which for sample reads is the hot path's binding and sending,
-  ``schema/sources/cassandra/_hot.py``, and batching); **set-up CPU** is the CPU before the
-  first batch;
-* **the engine's window** over the run (``Loader.stats()``, from the first
-  ``get()``): requests, ids per request, the mean requests in flight (the
-  answered requests' latencies summed over the time), their mean latency,
-  the share of the time the engine had requests to send but its window or its
-  byte budget was full, and the share the consumer waited for a batch.
-
-``--read-path`` measures the read side of one connection alone: ``--frames``
-frames of 110 KB (a sample's answer) written into a socket pair whose other end
-replaces a real pool connection's socket, and the connection's ``handle_read``
-called until every frame was handed to ``process_msg`` (replaced by a counter:
-no decoding). CPU of the reading thread per frame, for the driver's own libev
-reader and for dataferry's (``schema/sources/cassandra/_hot.py``, ``_frame_reader``).
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

@@ -5,15 +5,7 @@
 The same synthetic ImageNet-like JPEGs (about 110 KB, 400-640 px on the long
 side) go through:
 
-* decode only: Pillow in one thread, Pillow in a thread pool, DALI's CPU
-  decoder (libjpeg-turbo) with one and with N threads;
-* decode + ``TrainTransform(224)`` (random resized crop, flip, normalize to
-  NCHW float32) end to end from a ``Loader`` over an in-memory source: the
-  PyTorch path (``TorchIterator``, Pillow in N threads) and DALI on the CPU
-  (``DaliIterator``).
-
-Each row is the median of ``--runs`` runs, after one warm-up run. Images/s
-counts decoded images; MB/s is encoded bytes in.
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

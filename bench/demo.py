@@ -1,20 +1,6 @@
 """``dataferry demo``: the main job, end to end on the embedded store.
 
-1. make a synthetic ImageNet-like JPEG dataset and ingest it into the SQLite
-   store (idempotent: a second run finds everything present);
-2. start the data service (``dataferry serve``) on loopback, in its own process;
-3. put the latency proxy (``dataferry latency-proxy``, its own process) in front
-   of it at a WAN round trip (100 ms default);
-4. stream a few epochs through the client engine across that link, checking
-   that every sample arrives exactly once per epoch and matches its checksum;
-5. run a naive loader (one request per sample, one at a time) on the same
-   link for a few seconds, and print both rates side by side.
-
-The headline is what a user sees: total samples over total wall time, from
-creating the Loader (connections, the split's id list) to the last batch, for
-ours and for the baseline alike. Per-epoch rows follow, marked as partly
-prefetched: the engine fetches the next epoch while the current one ends, so
-an epoch's own rate flatters it.
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

@@ -2,26 +2,7 @@
 
 ``python -m dataferry.bench.filter_scan [--samples 1281167] [--nodes 3] [--repeats 3]``
 
-Without ``--store`` it starts a throwaway Apache Cassandra 5.0 cluster of
-``--nodes`` nodes on 127.0.0.1.. (``DevCluster``, ``--heap`` each) and applies
-the schema with replication ``SimpleStrategy:min(3, nodes)``. It writes
-``--samples`` samples of ImageNet-like metadata (1,000 classes, tiny sample
-bytes: only metadata is read) the fast way, unlogged batches of rows at high
-concurrency, each batch's ``samples`` rows before its ``sample_meta`` rows, then
-the dataset row and the ``all`` split as ingest does. ``--store URL --dataset
-NAME`` times a dataset already there instead.
-
-Then, ``--repeats`` times: ``derive_split`` with a filter under a fresh name
-(the id list, the metadata by ``scan_meta``'s own choice, the predicate, the
-split written back), and one token-range scan of every metadata column
-(``sources/cassandra/_scan.py``, no predicate); the client's peak resident set during each
-filter is sampled every 20 ms. Once: reads by id (``read_meta``, 4,096 ids a
-call, 4 calls at once, as derived splits read before the scan) of the first
-``--by-id`` ids, whose rate is extrapolated to all samples and labelled so.
-``--variants`` adds one scan per variant of ``ScanOptions`` (columns,
-concurrency, page size, ranges, routing, dataset test on the replicas). It
-prints wall times (medians), samples/s and the machine's load. Nothing here
-asserts a time.
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

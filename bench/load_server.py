@@ -4,24 +4,7 @@
                                           [--clients 1] [--connections 8] [--depth 2] [--request-size 64]
                                           [--data synthetic|random]
 
-For each ``--workers`` value, ``--repeats`` times: start ``dataferry serve
---workers N`` (``python -m dataferry.server``, uvloop) on a SQLite store of
-``--images`` samples (synthetic ImageNet-like JPEGs of ~110 KB, made once and
-cached in the temp folder; or ``--data random``: random bytes of the same
-sizes, instant), and load it from ``--clients`` client processes. Each client
-is the cheapest one we can write: raw blocking sockets, ``--connections`` of
-them, each with ``--depth`` pipelined batch requests of ``--request-size``
-random ids, bodies read into one reused buffer and discarded (only the chunked
-framing is parsed, to find where each response ends). Every response must be
-200 with an END record's worth of bytes; a non-200 is an error.
-
-Printed per run, and the median per worker count: samples/s, MB/s, the
-server's CPU per sample (user + system of the parent and every worker, from
-``/proc``), that CPU as cores busy, and the load generator's own CPU per
-sample. The clients share the machine's cores with the server: on 2 cores and
-``--workers 2`` the load generator takes CPU the workers would otherwise use,
-so samples/s there is a floor; CPU per sample is not affected by that (it is
-what each sample costs the server, whoever else runs).
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

@@ -5,35 +5,7 @@
                                             [--depth 2] [--request-size 64] [--client raw|loader]
                                             [--bound 0.10] [--probe [--trim]]
 
-Starts ``dataferry serve --workers N`` on a SQLite store of ``--images``
-samples (``load_server.prepare_store``: random bytes of JPEG-like sizes, or
-synthetic JPEGs) and loads it from ``--clients`` processes (``load_server``'s
-raw-socket client: ``--connections`` keep-alive connections each with
-``--depth`` pipelined requests of ``--request-size`` random ids; or
-``--client loader``: each a real ``Loader`` over HTTP, epochs in a loop, with
-its own window and request sizes) for ``--rounds`` rounds of ``--seconds``.
-At the end of each round it prints, per process (the parent, then each
-worker), from ``/proc/PID/status``:
-``RssAnon`` (the heap: Python objects, malloc arenas, buffers), ``RssFile``
-(mapped file pages: the SQLite file read through mmap, and the shared
-libraries), ``RssShmem`` (shared memory: prometheus-client's multiprocess
-files when ``$TMPDIR`` is a tmpfs), ``VmRSS`` (their sum) and ``Pss``
-(``smaps_rollup``: each shared page divided among the processes that map it,
-so the workers' Pss add up to what the server really holds), in MiB. At the end:
-the samples served and the verdict.
-
-The verdict: each worker's RssAnon at every round from the third on within
-``--bound`` (10%) of its value after the second round (the first two are the
-warm-up: arenas, the page cache and the interpreter's pools fill there).
-Exit status 1 if a worker grew past it or a client saw an error.
-
-``--probe``: the server runs under ``bench/_memprobe.py``: ``tracemalloc`` in
-every worker, and at the end of each round each worker writes what Python
-holds (the top allocation sites and their growth since the second round) and
-glibc's ``mallinfo2`` (arena bytes in use and free, mmapped chunks) to a file
-the bench prints. It costs CPU and memory of its own: diagnose with it,
-measure without it. ``--probe --trim``: each report then calls ``malloc_trim(0)``
-and prints the RssAnon it gave back: the free pages the arenas hold.
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

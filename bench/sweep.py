@@ -1,32 +1,6 @@
 """The sweep behind ``dataferry bench``: every loader across a grid of links.
 
-For each :class:`~._links.Condition` (RTT x loss x rate) the link is set up
-once, then each loader runs ``repeats`` times, the loaders interleaved so that
-a burst of noise from a neighbour does not land on one loader's runs only.
-Each run happens in a fresh process (forked from a forkserver that has the
-loaders imported) and measures (:func:`~._common.measure_loader`) the
-steady-state throughput from the first batch to the last, the time to the
-first batch, the client's CPU seconds per 1,000 samples, its DataLoader
-workers included (live or reaped), and the requests or streams the loader
-kept in flight. A run reads at most one epoch's samples (``max_samples``,
-default: the dataset), so no loader is measured re-reading a small epoch it
-has cached; each run records whether it stayed within one epoch. Servers and
-link emulators run in processes of their own, so their CPU is not the
-client's. A run that fails is recorded with its error and the sweep goes on;
-a condition the link cannot emulate (loss through the proxy), or a peer whose
-packages are missing, is recorded as not applicable.
-
-The loaders (:data:`LOADERS`) read one synthetic dataset, set up as their
-own docs recommend: the data service serves it from SQLite (the store next to
-the server), the CQL path reads it from a Cassandra 5.0 node; the naive DataLoader
-has 16 persistent workers, the ConcurrentDataloader-style one 4 workers of
-16 threads; WebDataset reads it as ~100 MB tar shards written from the same
-samples (:mod:`.webdataset_baseline`); MosaicML Streaming and LitData read
-it from a local S3 server (moto) across the same link (:mod:`._s3peers`).
-
-:func:`run_and_report` runs a sweep and writes ``runs.csv`` (every run),
-``summary.json`` (medians and how they were made), and from it ``table.md``
-and the PNG plots (:mod:`.report`).
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

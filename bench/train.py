@@ -4,25 +4,7 @@
         [--device cpu|cuda] [--loader dali|torch] [--size 64] [--batch-size 64]
     python -m dataferry.bench.train --synthetic 512      # self-contained
 
-Batches come from a :class:`~dataferry.client.Loader` on the service, are
-decoded and augmented (``TrainTransform``: random resized crop, flip,
-normalize) by DALI (``--loader dali``: nvJPEG on the GPU, or its CPU
-decoder) or by Pillow in threads (``--loader torch``), and train a
-four-layer CNN with SGD. Without ``--url`` it makes ``--synthetic N`` JPEGs,
-ingests them into a temporary SQLite store and starts ``dataferry serve`` on
-loopback for the run.
-
-It prints images/s over the timed steps (all but the first, which includes
-start-up) and the **data stall**: the share of that time the training loop
-spent waiting for its next batch. Near 0% the model is the bottleneck; high,
-the input pipeline is. The loader's own stall (waiting on the network) is
-printed next to it.
-
-Every ``--interval`` seconds (default 1) the loader names what limited the
-pipeline (the link, the service, decode, or the consumer: the model; see
-``client/_attribution.py``); the run ends with a PNG (``--plot``, default
-``train.png``) of throughput and the training loop's wait over time, each
-interval shaded by its limit, and the share of time per limit.
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

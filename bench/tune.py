@@ -8,23 +8,7 @@ The links (``--links``):
 * ``slow``: 200 ms round trip at 100 Mbit/s, one bottleneck shared by every
   request in flight.
 
-Both are :class:`~dataferry.client.MemorySource` (``latency``, ``rate``), not
-the latency proxy: the proxy's ``--rate`` caps each TCP connection on its own,
-so a loader with more connections would get more than 100 Mbit/s, and the
-comparison would reward opening connections rather than sizing the window.
-
-Per link, medians of ``--runs`` (interleaved) of samples/s over the whole run
-(from creating the Loader to the last batch, the ramp included) for:
-
-* ``defaults``: the fixed scheme, ``Prefetch(tune=False)`` (2 requests,
-  one more per answer up to 64, 32 ids each: the defaults before tuning);
-* ``tuned``: ``Prefetch()``, the self-tuning window and request size;
-* the grid: ``Prefetch(tune=False, request_size=R, max_inflight=W)`` for
-  each R and W, and the best of it (``best hand-tuned``).
-
-It ends with ``tuned / best hand-tuned`` per link, and the CPU per sample of
-each (steadier than samples/s on a shared machine: the best of a noisy grid is
-biased upwards).
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

@@ -6,22 +6,7 @@ writes them with ``wds.ShardWriter`` as POSIX tar shards, one sample per key::
 
     {"__key__": "<sample id>", "jpg": <the stored bytes>, "cls": <label>}
 
-:func:`file_server` serves the folder with ``python -m http.server`` (what a
-user would start; a CDN or S3 in real life), and the bench puts the same
-emulated link in front of it as in front of the data service.
-:func:`webdataset_loader` reads the shards the way WebDataset's docs
-recommend: ``wds.WebDataset(urls, shardshuffle=...)`` (http URLs are opened
-through a ``curl`` subprocess per shard), a 1,000-sample shuffle buffer,
-batched inside each worker (``.batched``: "transferring individual samples is
-slow"), and ``wds.WebLoader(batch_size=None)``, a torch DataLoader whose
-persistent worker processes each stream their own shards, one at a time.
-Samples stay encoded bytes, as with the other loaders. Set no ``WDS_CACHE``:
-it would turn on WebDataset's local shard cache and the link would be read
-once.
-
-Shards are ~100 MB, the size WebDataset recommends; only a dataset too small
-for one such shard per worker gets smaller ones, one per worker (a worker
-without a shard has nothing to read).
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

@@ -5,61 +5,7 @@
 [--step-ms MS]``
 ``python -m dataferry.bench.window --http-first-batch 100 [--runs 5] [--store-images 1024]``
 
-The real engine (:class:`~dataferry.client.Loader`) reads a
-:class:`~dataferry.client.MemorySource` that awaits ``latency`` per request
-(and, with ``--rate``, sends every sample's bytes over one shared emulated
-link of that many Mbit/s), so what is measured is the window alone: no
-sockets, no server. Per latency, medians of ``--runs``:
-
-* ``samples/s``: all samples over the whole run, from creating the Loader to
-  the last batch (the first epoch's ramp included); ``ratio``: that over the
-  0 ms row (or the first row);
-* ``steady/s``: samples over the second half of the run, over its time;
-* ``ramp``: what the start costs the whole run, ``1 - samples/s / steady/s``
-  (the first round trips while the window opens, the first batch's wait);
-* ``first batch``: seconds from creating the Loader to the first batch;
-* ``epoch 0``: seconds to the end of the first epoch (the run's end if it ends first);
-* ``us/sample``: this process's CPU per sample delivered, and ``CPU share``
-  its CPU seconds over the run's wall time (both threads; on a shared machine
-  below 1 means other work took the cores);
-* ``req ms``: a request's mean whole latency (sent to last answer handled:
-  the emulated round trip plus the time its answers waited for the engine's
-  thread); ``held``: the share of the run the engine had requests to send but
-  its window (``w``) or its byte budget (``b``) was full;
-* ``window``: requests allowed in flight at the end, and ``ids/req`` the
-  request size then; then the window over time of the median run (requests,
-  at 0.05 s, 0.1 s, 0.2 s, 0.4 s, ...);
-* ``loop waited``: the share of the run the consuming loop waited for a batch
-  (the Loader's ``Stats.wait`` over the run's time).
-
-Without ``--step-ms`` the consumer takes batches as fast as the engine makes
-them, so the rows measure the engine's ceiling, which grows with this machine's
-speed. ``--step-ms MS`` makes it a training loop instead: after each batch it
-sleeps MS (a step on an accelerator holds no CPU), so it can take at most
-``batch / MS`` samples/s; the question is then whether the window keeps that
-loop fed across the latency, and ``loop waited`` answers it (0.00: the
-accelerator never waited once the first batch came). ``--step-ms 10.24`` at
-batch 256 is 25,000 samples/s, above the 22-24k images/s DALI decodes on an H100.
-
-``--images`` sets the epoch: the default, 65,536 samples, is about two round
-trips of data at 200 ms, so the one-epoch look-ahead binds at every epoch
-boundary; ``--images 1281167`` (ImageNet's train split) is a realistic epoch.
-The source shares 1,024 payloads, so a large epoch costs little memory; each
-source is built once per latency, before the runs (not timed). A new epoch's
-plan (a permutation of the split) costs about 60 ms at 1.28 M samples, inside
-the timed run, as in training.
-
-``--http-first-batch RTT_MS`` instead measures the time to first batch over
-HTTP: a SQLite store of ``--store-images`` synthetic JPEGs, ``dataferry serve``
-and a ``dataferry latency-proxy`` process of that RTT in front of it (each
-run a fresh Loader: its connections, the split's catalog read, then the first
-batch), medians of ``--runs`` for the tuned and the fixed (``tune=False``)
-window, with the RTT multiple.
-
-The byte budget (``--max-bytes``; by default it follows the link up to
-``Prefetch.CEILING_BYTES``) bounds what can be in flight: at ``latency`` L and
-``size`` S the engine cannot exceed ``ceiling / (L x S)`` samples/s, printed as
-``budget cap``.
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

@@ -6,32 +6,7 @@ translated where they cross into dataferry, with ``raise X from exc``, and the
 message names the thing at fault: the dataset, split, sample id, file path,
 store URL or address.
 
-::
-
-    DataferryError
-    ├── ConfigError            bad option value, malformed store URL
-    │   └── FilterError        a --where filter that does not parse or type-check (position)
-    ├── StoreError             the store failed or could not be reached
-    │   ├── StoreUnavailable   no connection (dead host, refused, reset): retried
-    │   ├── StoreTimeout       a request outlived its timeout: retried
-    │   └── PermanentStoreError what no retry can heal: raised at once, never retried
-    │       ├── AccessDenied   the store refused the credentials (HTTP 401/403)
-    │       │   └── TokenRefused the data service refused the bearer token
-    │       ├── TLSFailed      the certificate failed verification, or the TLS handshake did
-    │       └── ProtocolMismatch the peer does not speak what the URL says (not HTTP,
-    │                          http:// to a TLS port, https:// to a plain one)
-    ├── NotFound               (a LookupError)
-    │   ├── DatasetNotFound    unknown dataset, naming it and the store, on every path
-    │   ├── SplitNotFound      a known dataset's unknown split
-    │   └── SampleNotFound     also *yielded* (not raised) by SampleSource.fetch
-    ├── IntegrityError         stored data contradicts itself (id collision, ...)
-    │   └── CorruptSample      a sample's bytes do not match the checksum stored with them
-    ├── InvalidImage           a source file failed validation (path + reason)
-    │   └── UndecodableSample  a delivered sample's bytes failed to decode (dataset + id)
-    ├── WireFormatError        bytes that do not follow the wire format (also a ValueError)
-    ├── RequestRejected        the data service refused a malformed request, or is not one
-    └── SampleFailed           the engine gave up on a sample, with the last cause
-                               (defined with the engine's types, client/_types.py)
+The tree, each class with what it means, is drawn in schema/README.md, "Errors".
 """
 
 from __future__ import annotations
