@@ -6,27 +6,11 @@ samples out of the cache. Here the object store is moto's S3 server
 and the bench puts the same emulated link in front of it as in front of the
 data service. Everything is set up as the libraries' docs show:
 
-* :func:`s3_datasets` starts the server, creates a bucket, reads every sample
-  of a dataset out of a dataferry store (the ``fetch`` seam, in the order of
-  its ``all`` split) and writes it once as MDS (``MDSWriter``, columns ``id``,
-  ``data`` (the stored bytes), ``label``; shards of ``size_limit`` ~100 MB)
-  and once with LitData's ``optimize()`` (the same three fields, chunks of
-  ``chunk_bytes`` ~100 MB); both are written to a temp folder and uploaded
-  with boto3, as ``aws s3 sync`` would.
-* :func:`mosaic` reads with ``streaming.StreamingDataset(remote=..., local=...,
-  shuffle=True, batch_size=...)`` and a ``StreamingDataLoader`` with worker
-  processes; the endpoint comes from ``S3_ENDPOINT_URL``, the variable
-  Streaming documents for S3-compatible stores.
-* :func:`litdata` reads with ``litdata.StreamingDataset(remote, cache_dir=...,
-  shuffle=True, storage_options={"endpoint_url": ...})`` (its documented way
-  to name a custom endpoint) and a ``litdata.StreamingDataLoader`` with workers.
+``s3_datasets`` writes a store's samples as MDS and LitData chunks (~100 MB) and
+uploads them; ``mosaic`` and ``litdata`` read them with each library's
+``StreamingDataLoader``; each ``make()`` starts from an empty cache.
 
-Each ``make()`` gets a fresh cache folder, so its first pass over the data is
-a real remote read. Later passes read the local cache (neither library evicts
-below its cache limit, and this data is far below it): a measurement meant to
-show the link must stay within the first pass (``epochs=1``, or a window
-shorter than one epoch). Samples stay encoded bytes, as with the other loaders.
-Credentials are dummies (moto accepts any) and are never printed.
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

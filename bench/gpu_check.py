@@ -5,24 +5,12 @@
         [--iterators dali,torch] [--jpeg2000-images N] [--server-workers N] [--profile-rtt MS] [--prefetch max_bytes=2GiB ...]
     python -m dataferry.bench.gpu_check --allow-cpu     # no GPU: the same on DALI's CPU path
 
-On a machine with a CUDA GPU it
+On a CUDA GPU: the mixed decoder's agreement with Pillow (PSNR ≥ ``--min-psnr``),
+decode throughput, and loader → ``DaliIterator`` → tensors on the GPU; ``--e2e``
+runs ``gpu_e2e.py``. Exits 2 without a GPU (unless ``--allow-cpu``: DALI's CPU path,
+rows labelled "cpu"), 1 if the decoder disagrees with Pillow.
 
-1. checks that the mixed decoder agrees with Pillow: the PSNR of each decoded
-   JPEG against Pillow's decode must be at least ``--min-psnr`` (see
-   :data:`MIN_PSNR` for the measurement behind the default);
-2. measures **decode** throughput: DALI ``decoders.image(device="mixed")`` alone;
-3. measures **loader to GPU**: ``Loader`` (in-memory source, or ``--url`` for a
-   data service and ``--dataset``) → ``DaliIterator`` (mixed decode of the
-   crop window, resize, flip, normalize on the GPU, ``TrainTransform(224)``)
-   → float32 NCHW torch tensors on ``cuda:N``.
-
-``--e2e`` measures what a user will see instead: a store, ``dataferry serve``
-and the latency proxy at each RTT, the loader over HTTP into DALI on the GPU,
-beside DALI's decode ceiling from memory (``gpu_e2e.py``).
-
-Without a GPU it says so and exits with status 2, unless ``--allow-cpu``,
-which runs the same on DALI's CPU path and labels every row "cpu". A decoder
-that does not agree with Pillow exits with status 1, after the figures.
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations

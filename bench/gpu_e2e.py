@@ -3,34 +3,13 @@
     python -m dataferry.bench.gpu_check --e2e [--images 4096] [--rtts 0,100,200] [--epochs 3]
                                              [--batch 256] [--out DIR] [--allow-cpu]
 
-1. make ``--images`` synthetic ImageNet-like JPEGs (~110 KB) and ingest them
-   into a SQLite store in a temp folder;
-2. check DALI's decoder against Pillow (PSNR, ``gpu_check.MIN_PSNR``) and
-   measure DALI's **decode ceiling** from memory: the same JPEGs through the
-   same graph (mixed decode of the crop window, resize, flip, normalize:
-   ``TrainTransform(224)``) with no loader, median of ``--runs``;
-3. start ``dataferry serve`` on the store, and per RTT a ``dataferry
-   latency-proxy`` in front of it (its own process, delay RTT/2 each way, the
-   TCP window of ``LinkOptions``);
-4. per RTT (after one unmeasured epoch straight from the server, to start its
-   workers and warm the page cache): ``Loader`` over HTTP through the proxy → ``DaliIterator`` →
-   float32 NCHW tensors on ``cuda:N``, for ``--epochs`` epochs, checking that
-   each epoch delivers every image once.
+A SQLite store of synthetic JPEGs, ``dataferry serve``, a latency proxy per RTT,
+and ``Loader`` over HTTP → ``DaliIterator`` → tensors on ``cuda:N``. Prints per RTT
+images/s total (the headline), first epoch and steady, time to first batch,
+client and server CPU per image, and steady / DALI's decode ceiling.
+Without a GPU, ``--allow-cpu`` labels every row "cpu (not GPU numbers)".
 
-Per RTT it prints images/s **total** (every image over the wall time from
-creating the Loader to the last batch: the headline, what a job sees),
-the **first epoch** (from creating the Loader) and **steady** (the epochs
-after the first; the engine fetches an epoch ahead, so the first pays the
-start), the time to the first batch (the DALI pipeline's build included),
-the client's CPU per image delivered (this process, from creating the
-Loader to the last batch: the loader's engine, DALI's threads, the training
-loop; the proxy and server are processes of their own), the server's CPU
-(its utime + stime from ``/proc``) per image it served (the loader fetches
-ahead past the last epoch: up to half of ``Prefetch.max_bytes``, more than
-a short run delivers), and steady / ceiling.
-
-Without a GPU, ``--allow-cpu`` runs the same on DALI's CPU path and labels
-every row "cpu (not GPU numbers)".
+Method details: bench/README.md, "Methods".
 """
 
 from __future__ import annotations
