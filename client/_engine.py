@@ -512,8 +512,11 @@ class Run(Recovery):
         self._reserved -= take
         ep = req.epoch
         ep.reserved -= take
-        if self._breaker.fails:
-            self._breaker.answered(self._loop.time())
+        breaker = self._breaker
+        if breaker.fails and req.start >= breaker.down_since:
+            # the store answered a request sent since the failures began; a request sent before
+            # (still streaming) says nothing of now, and would let a flood out before the breaker opens
+            breaker.answered(self._loop.time())
         if isinstance(result, SampleNotFound):
             for p in positions:
                 if p not in ep.completed:

@@ -92,7 +92,7 @@ class Breaker:
             self.probe_at = now + self.retry.delay(self._probes + 1, self._rand.random())
 
     def answered(self, now: float) -> None:
-        """The store answered: the breaker closes."""
+        """The store answered a request sent since ``down_since``: the breaker closes."""
         if self.open:
             log.warning("%s answers again after %.1f s", self._store, now - (self.down_since or 0.0))
         self.fails = 0

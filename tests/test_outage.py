@@ -27,6 +27,7 @@ class OutageSource(MemorySource):
         self.outage_at: float | None = None
         self.outage_cpu: float | None = None  # this process's CPU seconds when the outage began
         self.refused = 0
+        self.refused_at: list[float] = []  # seconds from the outage's start of each refusal
 
     def is_down(self) -> bool:
         if self.outage_at is None:
@@ -38,6 +39,7 @@ class OutageSource(MemorySource):
     async def fetch(self, dataset, ids):
         if self.is_down():
             self.refused += 1
+            self.refused_at.append(time.monotonic() - self.outage_at)
             raise StoreUnavailable("test store: connection refused")
         async for r in super().fetch(dataset, ids):
             self.served += 1
@@ -104,8 +106,13 @@ def test_default_retry_rides_out_a_restart_without_flooding_or_spinning():
         cpu = time.process_time() - src.outage_cpu
         wall = time.monotonic() - src.outage_at
     assert wall >= 3.5
-    # probes back off to Retry.max_backoff (2 s): a handful, plus the requests already out
-    assert src.refused < 40, src.refused
+    # probes back off to Retry.max_backoff (2 s): a handful after the first instant ...
+    probes = [t for t in src.refused_at if t > 0.05]
+    assert len(probes) < 10, src.refused_at
+    # ... plus the requests already out when it went down (not yet started: 19 in most runs,
+    # up to ~40 with the window at its widest); answers still streaming from requests sent before
+    # the failures began no longer reset the breaker, which let ~30 more out before it opened
+    assert src.refused < 50, src.refused_at
     assert cpu < 0.5 * wall, (cpu, wall)  # no busy loop while the store is down
 
 
