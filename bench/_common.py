@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from dataferry.schema._table import format_table
 
 __all__ = ["Measurement", "measure_loader", "prepared_store", "table", "cpu_seconds", "announced", "data_server",
-           "all_ids", "store_samples", "live_descendants", "stat_fields", "loader_epoch"]
+           "all_ids", "store_samples", "live_descendants", "stat_fields", "loader_epoch", "prefetch_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,3 +357,29 @@ def data_server(store_url: str, *, host: str = "127.0.0.1", wrap: Sequence[str] 
     cmd = [*wrap, sys.executable, "-m", "dataferry.server", "--store", store_url, "--host", host, "--port", "0",
            "--no-access-log", "--log-level", "WARNING", "--max-concurrent", "1024", *args]
     return announced(cmd, "the data server")
+
+
+def prefetch_of(setting: str):
+    """``Prefetch`` from ``"default"`` or ``"max_bytes=2GiB,request_size=64,tune=false"``; ValueError naming a bad part."""
+    from dataferry.client import Prefetch
+    from dataferry.schema import DataferryError, parse_size
+
+    if setting == "default":
+        return Prefetch()
+    kw = {}
+    for part in setting.split(","):
+        key, _, value = part.partition("=")
+        key = key.strip()
+        if key in ("max_bytes", "sample_bytes_hint"):
+            kw[key] = parse_size(value)
+        elif key in ("max_inflight", "initial_inflight", "request_size"):
+            kw[key] = int(value) if value.strip().isdigit() else None
+        elif key == "tune" and value.strip().lower() in ("true", "false"):
+            kw[key] = value.strip().lower() == "true"
+        else:
+            raise ValueError(f"--prefetch: {part!r} is not a Prefetch setting (max_bytes, sample_bytes_hint, "
+                             "max_inflight, initial_inflight, request_size, tune)")
+    try:
+        return Prefetch(**kw)
+    except (DataferryError, TypeError) as exc:
+        raise ValueError(f"--prefetch {setting!r}: {exc}") from None

@@ -14,35 +14,41 @@ import collections
 import os
 import sys
 import threading
-import time
+
+from ._common import stat_fields
 
 __all__ = ["thread_cpu", "cpu_by_thread", "Sampler"]
 
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 #: where dataferry's runtime packages live (an editable install's paths do not say "dataferry")
 _OURS = tuple(os.path.dirname(__import__(f"dataferry.{p}", fromlist=["_"]).__file__) + os.sep
               for p in ("client", "schema", "server"))
 
 
-def thread_cpu() -> dict[int, tuple[str, float]]:
-    """``{native thread id: (name, CPU seconds so far)}`` of this process's threads (empty off Linux)."""
+def thread_cpu(unnamed: str | None = None) -> dict[int, tuple[str, float]]:
+    """``{native thread id: (name, CPU seconds so far)}`` of this process's threads (Linux
+    ``/proc/self/task``; empty elsewhere). The name is the Python thread's, else ``unnamed``,
+    else the OS's ``comm``."""
     names = {t.native_id: t.name for t in threading.enumerate()}
-    out = {}
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
-        return out
+        return {}
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
     for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as fh:
-                stat = fh.read()
-        except OSError:  # the thread ended
+        fields = stat_fields(f"/proc/self/task/{tid}/stat")
+        if fields is None:  # the thread ended meanwhile
             continue
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        cpu = (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
-        out[int(tid)] = (names.get(int(tid), comm), cpu)
+        name = names.get(int(tid)) or unnamed or _comm(tid)
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)  # utime, stime
     return out
+
+
+def _comm(tid: str) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as fh:
+            return fh.read().strip()
+    except OSError:
+        return tid
 
 
 def cpu_by_thread(before: dict, after: dict, top: int = 10) -> list[tuple[str, float]]:
@@ -110,12 +116,3 @@ def _where(frame) -> str:
     short = "/".join(path.split("/")[-2:])
     return f"{short}:{frame.f_lineno} {code.co_name}"
 
-
-if __name__ == "__main__":  # a quick look at itself
-    t0 = thread_cpu()
-    with Sampler() as s:
-        end = time.perf_counter() + 0.2
-        while time.perf_counter() < end:
-            pass
-    print(cpu_by_thread(t0, thread_cpu()))
-    print(s.report(3))

@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from ._common import table
+from ._common import prefetch_of, table
 
 __all__ = ["main", "measure"]
 
@@ -60,8 +60,6 @@ def measure(samples, rtt_s: float, rate: float, epochs: int, prefetch) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from dataferry.schema import DataferryError
-
-    from .gpu_e2e import prefetch_of
 
     ap = argparse.ArgumentParser(prog="python -m dataferry.bench.budget", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default="10000,25000", help="the loop's pace, samples/s (default 10000,25000)")

@@ -19,7 +19,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ._common import announced, loader_epoch, prepared_store, stat_fields, table
+from ._common import announced, loader_epoch, prepared_store, table
+from ._threadprof import thread_cpu
 
 DATASET = "bench"
 
@@ -46,17 +47,9 @@ def _count_messages():
 
 def _thread_cpu() -> dict[str, float]:
     """CPU seconds of each live thread of this process, by thread name (Linux: /proc/self/task)."""
-    import os
-    import threading
-
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    tick, out = os.sysconf("SC_CLK_TCK"), {}
-    for tid in os.listdir("/proc/self/task"):
-        fields = stat_fields(f"/proc/self/task/{tid}/stat")
-        if fields is None:  # the thread ended meanwhile
-            continue
-        name = names.get(int(tid), "other")
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    out: dict[str, float] = {}
+    for name, cpu in thread_cpu(unnamed="other").values():
+        out[name] = out.get(name, 0.0) + cpu
     return out
 
 

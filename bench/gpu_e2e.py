@@ -23,7 +23,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from ._common import data_server, process_cpu_s, table
+from ._common import data_server, prefetch_of, process_cpu_s, table
 from ._links import Condition, ProxyLink
 from ._threadprof import Sampler, cpu_by_thread, thread_cpu
 from .decode import median_seconds, pipeline_epoch, read_files
@@ -81,32 +81,6 @@ class E2EOptions:
                    iterators=tuple(i.strip() for i in args.iterators.split(",") if i.strip()),
                    jpeg2000_images=args.jpeg2000_images, server_workers=args.server_workers,
                    profile_rtt=args.profile_rtt, prefetch=tuple(args.prefetch or ("default",)))
-
-
-def prefetch_of(setting: str):
-    """``Prefetch`` from ``"default"`` or ``"max_bytes=2GiB,request_size=64,tune=false"``; ValueError naming a bad part."""
-    from dataferry.client import Prefetch
-    from dataferry.schema import DataferryError, parse_size
-
-    if setting == "default":
-        return Prefetch()
-    kw = {}
-    for part in setting.split(","):
-        key, _, value = part.partition("=")
-        key = key.strip()
-        if key in ("max_bytes", "sample_bytes_hint"):
-            kw[key] = parse_size(value)
-        elif key in ("max_inflight", "initial_inflight", "request_size"):
-            kw[key] = int(value) if value.strip().isdigit() else None
-        elif key == "tune" and value.strip().lower() in ("true", "false"):
-            kw[key] = value.strip().lower() == "true"
-        else:
-            raise ValueError(f"--prefetch: {part!r} is not a Prefetch setting (max_bytes, sample_bytes_hint, "
-                             "max_inflight, initial_inflight, request_size, tune)")
-    try:
-        return Prefetch(**kw)
-    except (DataferryError, TypeError) as exc:
-        raise ValueError(f"--prefetch {setting!r}: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)

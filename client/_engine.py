@@ -383,11 +383,10 @@ class Run(Recovery):
         return not ep.active and self.ready_bytes - self._ahead_bytes() - ep.pending_bytes <= 0
 
     def _may_grow(self) -> bool:
-        """The budget may grow (``Link.starved`` judges whether the consumer starves): it follows
-        the link, and what holds it is mostly in flight (bytes piled up ready, as behind one slow
-        sample in input order, would not come sooner with more)."""
-        return (self.prefetch.max_bytes is None and self._waited is not None
-                and self.ready_bytes - self._ahead_bytes() <= self.link.budget // 4)
+        """The budget may grow (``Link.starved`` judges whether the consumer starves, and a fixed
+        budget never does): what holds it is mostly in flight (bytes piled up ready, as behind one
+        slow sample in input order, would not come sooner with more)."""
+        return self._waited is not None and self.ready_bytes - self._ahead_bytes() <= self.link.budget // 4
 
     def _ahead_bytes(self) -> int:
         """Bytes the look-ahead epoch holds (delivered, waiting for its turn)."""

@@ -42,6 +42,7 @@ _SHARED = {
     "_errors": "check TokenRefused WireFormatError RequestRejected",
     "_url": "redact_url",
     "_aio": "LoopThread new_event_loop",
+    "_lazy": "lazy_face",
     "_tokens": "valid_token",
     "_splits": "content_hash derived_name parse_ratios",
     "_verify": "ProgressBar verify_dataset",

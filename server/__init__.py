@@ -11,21 +11,7 @@ Attributes are imported lazily (PEP 562) so ``dataferry --help`` stays fast.
 
 from __future__ import annotations
 
-import importlib
+from dataferry.schema import lazy_face
 
-__all__ = ["make_app", "ServerOptions", "Runner"]
-
-_LAZY = {"make_app": "_app", "ServerOptions": "_options", "Runner": "_protocol"}
-
-
-def __getattr__(name: str):
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'dataferry.server' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(__all__)
+__all__, __getattr__, __dir__ = lazy_face(__name__, {"_app": "make_app", "_options": "ServerOptions",
+                                                     "_protocol": "Runner"})

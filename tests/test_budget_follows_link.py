@@ -11,18 +11,13 @@ import time
 from collections import Counter
 
 import pytest
+from window_kit import shared
 
 from dataferry.client import Loader, MemorySource, Prefetch
-from dataferry.schema import ConfigError, Sample
+from dataferry.schema import ConfigError
 
 MiB = 1 << 20
 TUNE_LOG = "dataferry.client.tune"
-
-
-def shared(n: int, size: int, distinct: int = 8) -> list[Sample]:
-    """``n`` samples of ``size`` bytes sharing ``distinct`` payloads (large samples, little memory)."""
-    blobs = [bytes([k]) * size for k in range(distinct)]
-    return [Sample(i, i % 10, blobs[i % distinct]) for i in range(n)]
 
 
 def one_epoch(loader, pause: float = 0.0) -> Counter:

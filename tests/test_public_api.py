@@ -39,7 +39,7 @@ def test_all_is_pinned_and_resolves(module):
 #: what the server, the client and the CLI take from the contract (``dataferry.schema._SHARED``):
 #: public to them, not in ``__all__``; other packages import nothing else of schema's (test_layering)
 SHARED = [
-    "check", "TokenRefused", "WireFormatError", "RequestRejected", "redact_url", "LoopThread", "new_event_loop",
+    "check", "TokenRefused", "WireFormatError", "RequestRejected", "redact_url", "LoopThread", "new_event_loop", "lazy_face",
     "valid_token", "content_hash", "derived_name", "parse_ratios", "ProgressBar", "verify_dataset", "apply_schema",
     "schema_statements", "parse_duration", "parse_rate", "parse_size",
     "DEFAULT_MAX_PIXELS", "LOSSLESS", "ValidateOptions", "prepare_image", "validate_bytes", "validator_pool",

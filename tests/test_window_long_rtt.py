@@ -11,18 +11,11 @@ import gc
 import time
 from collections import Counter
 
-from window_kit import NO_HEDGE, Overhead, samples
+from window_kit import NO_HEDGE, Overhead, samples, shared
 from window_kit import epochs as epochs_of
 
 from dataferry.client import Hedge, Loader, MemorySource, Prefetch
 from dataferry.client._tuner import Link
-from dataferry.schema import Sample
-
-
-def shared(n: int, size: int, distinct: int = 8) -> list[Sample]:
-    """``n`` samples of ``size`` bytes sharing ``distinct`` payloads (large samples, little memory)."""
-    blobs = [bytes([k]) * size for k in range(distinct)]
-    return [Sample(i, i % 10, blobs[i % distinct]) for i in range(n)]
 
 
 def tuned_size(src: MemorySource, n: int, epochs: int) -> tuple[int, Counter[int]]:

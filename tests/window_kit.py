@@ -7,6 +7,7 @@ import time
 from collections import Counter
 
 from dataferry.client import Hedge, MemorySource
+from dataferry.schema import Sample
 
 NO_HEDGE = Hedge(enabled=False)
 
@@ -50,6 +51,12 @@ class Overhead(Recording):
             pass
         async for r in super().fetch(dataset, ids):
             yield r
+
+
+def shared(n: int, size: int, distinct: int = 8) -> list[Sample]:
+    """``n`` samples of ``size`` bytes sharing ``distinct`` payloads (large samples, little memory)."""
+    blobs = [bytes([k]) * size for k in range(distinct)]
+    return [Sample(i, i % 10, blobs[i % distinct]) for i in range(n)]
 
 
 def samples(n: int, size: int):
