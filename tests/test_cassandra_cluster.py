@@ -47,6 +47,7 @@ from dataferry.schema import (
     sample_id,
 )
 from dataferry.schema._ddl import apply_schema
+from dataferry.schema.sources.cassandra._hot import TRIES
 from server_kit import ServerProcess, seed_url
 from test_outage_real import stream_until
 
@@ -188,15 +189,20 @@ def test_a_node_frozen_for_a_minute_stalls_the_loop_less_than_a_request_timeout(
     assert longest < timeout, (longest, at - frozen_at[0])
 
 
-def test_reads_of_a_frozen_replica_time_out_once_and_are_answered_by_another(nodes, streamed):
+@pytest.mark.parametrize("path", ["hot", "driver"])
+def test_reads_of_a_frozen_replica_time_out_once_and_are_answered_by_another(nodes, streamed, path):
     """The store alone (no engine, no hedges): a third of the reads go first to the frozen node.
-    Each times out once (``request_timeout=2``) and is sent again to another replica, while the
-    reads that follow pass the stalled node over: every sample arrives, none fails."""
+    Each times out (``request_timeout=2``) and is sent again to another replica, while the
+    reads that follow pass the stalled node over: every sample arrives, none fails. ``driver``:
+    every read through ``execute_async`` (the path a read takes when the hot path hands it back,
+    and on a driver the hot path was not written for), whose timeouts are resent the same way."""
     url, digest = streamed
     target = url + "?request_timeout=2"
 
     async def read_all():
         async with await open_store(target, create=False) as store:
+            if path == "driver":
+                store._hot = None
             await asyncio.sleep(1.0)  # the keyspace's replicas are known: reads are token-aware
             nodes.nodes[2].freeze()
             try:
@@ -209,7 +215,9 @@ def test_reads_of_a_frozen_replica_time_out_once_and_are_answered_by_another(nod
     got, took = asyncio.run(read_all())
     assert all(isinstance(r, Sample) and hashlib.sha256(r.data).digest() == digest[r.id] for r in got)
     assert sorted(r.id for r in got) == sorted(digest)
-    assert took < 2 * 2 + 3, took  # one timeout, then another replica: not one timeout per read
+    # a timeout or two (at LOCAL_QUORUM a healthy coordinator may wait on the frozen replica too),
+    # then another replica: not one timeout per read
+    assert took < TRIES * 2 + 3, took
 
 
 def test_samples_written_with_a_node_down_are_all_found_once_it_is_back(nodes):

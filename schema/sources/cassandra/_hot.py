@@ -23,7 +23,7 @@ from functools import partial
 
 from ._driver_patches import PROTOCOL_VERSION
 
-__all__ = ["Again", "HotReads", "decode_rows", "execute_message", "readable"]
+__all__ = ["TRIES", "Again", "HotReads", "decode_rows", "execute_message", "readable"]
 
 _INT = struct.Struct(">i")
 _TWO_INTS = struct.Struct(">ii")
@@ -157,6 +157,10 @@ def _frame_size(buf: bytearray, start: int, end: int) -> int:
     return 9 + int.from_bytes(buf[start + 5:start + 9], "big", signed=True)
 
 
+#: hosts a read that times out is sent to, one after another (RF 3: each replica once)
+TRIES = 3
+
+
 class Again(Exception):
     """A hot read that must go again through the driver's request path (``cause``: what it got).
 
@@ -165,9 +169,9 @@ class Again(Exception):
     No caller sees it, so it is not in the error tree of ``schema/_errors.py``.
     """
 
-    def __init__(self, ps, params: tuple, cause: object) -> None:
+    def __init__(self, ps, params: tuple, cause: object, tried: tuple = ()) -> None:
         super().__init__(f"sent again through the driver after: {cause!r}")
-        self.ps, self.params, self.cause = ps, params, cause
+        self.ps, self.params, self.cause, self.tried = ps, params, cause, tried  # tried: hosts that timed out
 
 
 def readable(types: tuple[str, ...], result_metadata) -> bool:
@@ -436,8 +440,9 @@ class HotReads:
 
     def _choose(self, plan, avoid: tuple, now: float):
         """``(host, pool)``: the first host of ``plan`` with an open pool that is neither stalled
-        nor in ``avoid``; else the first stalled one due a probe; else the first with a pool."""
-        first = probe = None
+        nor in ``avoid``; else the first stalled one due a probe; else the first not in ``avoid``;
+        else the first with a pool."""
+        first = probe = other = None
         for k, host in enumerate(plan):
             pool = self._pools.get(host)
             if pool is None or pool.is_shutdown:
@@ -445,8 +450,10 @@ class HotReads:
             if first is None:
                 first = (host, pool)
             if host in avoid:
-                pass
-            elif not self._stalled(host, now):
+                continue
+            if other is None:
+                other = (host, pool)
+            if not self._stalled(host, now):
                 return host, pool
             elif probe is None and now >= self._probe_at.get(host, 0.0):
                 probe = (host, pool)
@@ -455,7 +462,7 @@ class HotReads:
         if probe is not None:
             self._probe_at[probe[0]] = now + self._stall
             return probe
-        return first if first is not None else (None, None)
+        return other or first or (None, None)
 
     def _stalled(self, host, now: float) -> bool:
         """Whether nothing was heard from ``host`` for ``stall`` seconds while a read of it is
@@ -516,20 +523,21 @@ class HotReads:
                 read.pool.return_connection(conn, stream_was_orphaned=True)
             elif conn.orphaned_threshold_reached:
                 conn.close()  # as the pool replaces its own: dropped, and another opened on the next read
-        if len(read.avoid) == 1 and self._send_elsewhere(read):
+        if self._send_elsewhere(read):
             return
         errors = {read.host: "Client request timeout. See Session.execute[_async](timeout)"}
         sink, key = read.item
         self._arrive((sink, key, None, OperationTimedOut(errors, read.host)))
 
     def _send_elsewhere(self, read: _Read) -> bool:
-        """Send a read that timed out once more, to another replica; False if none can take it."""
+        """Send a read that timed out once more, to a replica it has not tried; False if none can
+        take it. At most ``TRIES`` hosts in all: as many timeouts, not one per replica of a large ring."""
         decoder = self._decoders.get(read.ps.query_id)
-        if decoder is None or self._closed:
+        if decoder is None or self._closed or len(read.avoid) >= TRIES:
             return False
         try:
             plan = self._policy.make_query_plan(self._keyspace, read.ps.bind(read.params))
-            others = [h for h in plan if h != read.host]
+            others = [h for h in plan if h not in read.avoid]
         except Exception:  # noqa: BLE001
             return False
         if not any(self._pools.get(h) is not None for h in others):

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequen
 from contextlib import aclosing
 
 from ._connect import open_cluster, shutdown, translate, where
-from ._hot import Again, HotReads
+from ._hot import TRIES, Again, HotReads
 from ._statements import EAGER, REPLICATION, STATEMENTS, default_consistency, no_checksum_column, no_keyspace
 from ..._errors import DatasetNotFound, SampleNotFound, SplitNotFound, StoreError, StoreUnavailable
 from ..._model import DatasetInfo, IdList, Sample, SampleMeta, SplitInfo, check_name, sample_checksum
@@ -100,6 +100,11 @@ class CassandraStore:
         self._background: asyncio.Future | None = None
         self._closed = False
         self._hot = _hot_reads(cluster, session, opts, self._loop, self._arrive)
+        self._policy = cluster.profile_manager.default.load_balancing_policy  # routes a read sent elsewhere
+        from cassandra import OperationTimedOut
+
+        self._client_timeout = OperationTimedOut  # the driver's own timer ran out (not the server's timeout)
+        self._timed_out: dict = {}  # host -> when a read of the driver's path last timed out there
 
     @classmethod
     async def open(cls, opts: CassandraOptions, *, url: str) -> CassandraStore:
@@ -191,16 +196,23 @@ class CassandraStore:
                 types = _HOT_V0  # "fetch" prepared as "fetch_v0": a keyspace without the xxh3 column
             if self._hot.send(ps, types, params, (sink, key)):
                 return
-        self._send(ps, params, sink, key)
+        self._send(ps, params, sink, key, read=bool(hot))
 
-    def _send(self, ps, params: tuple, sink, key) -> None:
-        """Send one request through the driver's ``execute_async`` (its retries, routing, timer)."""
+    def _send(self, ps, params: tuple, sink, key, read: bool = False, host=None, tried: tuple = ()) -> None:
+        """Send one request through the driver's ``execute_async`` (its retries, routing, timer).
+        A ``read`` that times out on the client's clock goes again to a replica it has not tried
+        (:meth:`_drain`), at most ``TRIES`` hosts in all, as the hot path's reads do; ``host``: that
+        replica; ``tried``: the hosts it timed out on."""
         try:
-            rf = self._session.execute_async(ps, params, timeout=self._opts.request_timeout)
+            rf = self._session.execute_async(ps, params, timeout=self._opts.request_timeout, host=host)
         except Exception as exc:  # noqa: BLE001 - bind errors, or the session is shut down
             self._settle(sink, key, None, exc)
             return
-        rf.add_callbacks(self._on_rows, self._on_error, callback_args=(rf, sink, key), errback_args=(rf, sink, key))
+        if read:
+            rf.add_callbacks(self._on_rows, self._on_read_error, callback_args=(rf, sink, key),
+                             errback_args=(rf, sink, key, ps, params, tried))
+        else:
+            rf.add_callbacks(self._on_rows, self._on_error, callback_args=(rf, sink, key), errback_args=(rf, sink, key))
 
     def _on_rows(self, rows, rf, sink, key) -> None:
         """Driver IO thread: an answer (or a page of one)."""
@@ -215,6 +227,14 @@ class CassandraStore:
         """Driver IO thread: a request failed."""
         self._pages.pop(rf, None)
         self._arrive((sink, key, None, exc))
+
+    def _on_read_error(self, exc, rf, sink, key, ps, params, tried) -> None:
+        """Driver IO thread: a read failed; one that timed out on the client's clock (a replica that
+        holds its sockets open and answers nothing) is handed back to be sent to another replica."""
+        if type(exc) is self._client_timeout and len(tried) + 1 < TRIES:
+            self._arrive((sink, key, None, Again(ps, params, exc, (*tried, exc.last_host))))
+            return
+        self._on_error(exc, rf, sink, key)
 
     def _arrive(self, item: tuple) -> None:
         """Any thread: queue ``item`` for the loop; wake the loop only if no drain is scheduled."""
@@ -234,10 +254,30 @@ class CassandraStore:
         while arrivals:
             item = arrivals.popleft()
             again = item[3]
-            if type(again) is Again:  # the hot path's read goes again the driver's way, still in flight
-                self._send(again.ps, again.params, item[0], item[1])
+            if type(again) is Again:  # a read goes again the driver's way, still in flight
+                if type(again.cause) is self._client_timeout:
+                    self._send_elsewhere(again, item[0], item[1])
+                else:
+                    self._send(again.ps, again.params, item[0], item[1], read=True)
             else:
                 settle(*item)
+
+    def _send_elsewhere(self, again: Again, sink, key) -> None:
+        """On the loop: a driver's read that timed out on the client's clock goes once to another
+        replica of its partition; with none up, its timeout is the answer."""
+        timed_out, now = again.cause, self._loop.time()
+        self._timed_out[timed_out.last_host] = now
+        try:
+            plan = self._policy.make_query_plan(self._opts.keyspace, again.ps.bind(again.params))
+            others = [h for h in plan if h not in again.tried and h.is_up is not False]
+        except Exception:  # noqa: BLE001 - no plan: the timeout stands
+            others = []
+        recent = now - 2 * self._opts.request_timeout  # a host that timed out since is passed over if it can be
+        other = next((h for h in others if self._timed_out.get(h, recent) <= recent), others[0] if others else None)
+        if other is None or self._closed:
+            self._settle(sink, key, None, timed_out)
+        else:
+            self._send(again.ps, again.params, sink, key, read=True, host=other, tried=again.tried)
 
     def _settle(self, sink, key, rows, exc) -> None:
         self._sem.release()
