@@ -25,6 +25,7 @@ import numpy as np
 from dataferry.schema import InvalidImage, UndecodableSample
 from dataferry.schema import ConfigError, DataferryError
 
+from ._elastic import gather
 from ._types import Batch
 from ._transforms import (
     EvalTransform,
@@ -312,7 +313,10 @@ class ImageIterator:
 
     def state_dict(self) -> dict:
         """The loader's state, less the batches in flight here (exact resume)."""
-        return state_without(self.loader.state_dict(), self._in_flight())
+        local = getattr(self.loader, "_local_state", None)  # a Loader: gathered after taking the in-flight out
+        if local is None:
+            return state_without(self.loader.state_dict(), self._in_flight())
+        return gather(state_without(local(), self._in_flight()))
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`; only with nothing in flight (before

@@ -37,6 +37,7 @@ from ._types import Batch, EndOfEpoch
 from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
 from ._plan import EpochPlan, make_plan, split_digest
 from ._doneset import DoneSet
+from ._elastic import DealtPlan, dealt_of, gather, merge_states, resume_plan
 from ._attribution import Attributor, Interval
 from ._stats import MAX_IDS, Counters, Stats, Taken, snapshot
 
@@ -254,7 +255,8 @@ class Loader:
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
         # every epoch's plan is as long: any plan made will do
-        n = len(self._plan if self._plan is not None else self._plan_for(self.epoch))
+        plan = self._plan if self._plan is not None else self._plan_for(self.epoch)
+        n = plan.next_len if isinstance(plan, DealtPlan) and plan.epoch != self.epoch else len(plan)  # re-dealt: its own
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
@@ -404,7 +406,7 @@ class Loader:
                 self._count_corrupt(item.epoch, item.skipped)
             self._epoch += 1
             # the next epoch's plan is as long; the engine has made it (made here only when asked for)
-            self._delivered = DoneSet(delivered.n)
+            self._delivered = DoneSet(self._plan.next_len if isinstance(self._plan, DealtPlan) else delivered.n)
             self._lt.loop.call_soon_threadsafe(run.consumer_at, self._epoch)
             raise StopIteration
         self._stop_run()
@@ -412,7 +414,16 @@ class Loader:
 
     # --- resume ------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """What was delivered so far: enough to resume exactly (JSON-safe)."""
+        """What was delivered so far: enough to resume exactly (JSON-safe).
+
+        Under torch.distributed it is a collective (every rank must call it, as
+        for any DDP checkpoint): the state covers every rank's part of the epoch
+        and resumes with any world size (``_elastic.py``)."""
+        return gather(self._local_state())
+
+    merge_states = staticmethod(merge_states)
+
+    def _local_state(self) -> dict:
         plan = self._plan_for(self.epoch)
         done = self._delivered or DoneSet(len(plan))
         return {
@@ -428,6 +439,7 @@ class Loader:
             "num_samples": len(plan),
             "frontier": done.frontier,
             "beyond": done.beyond(),
+            **dealt_of(plan),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -438,7 +450,8 @@ class Loader:
         self._stop_run()
         epoch = int(state["epoch"])
         ids = self._idlist()
-        plan = make_plan(ids, epoch, self._plan_options, digest=self._digest)
+        elastic = resume_plan(state, ids, self._plan_options, self._digest)
+        plan = elastic[0] if elastic else make_plan(ids, epoch, self._plan_options, digest=self._digest)
         if state.get("dataset") == self.dataset and state.get("split") != self.split:
             raise ConfigError(f"loader state is for split {state.get('split')!r} of dataset {self.dataset!r}, "
                               f"this loader reads split {self.split!r}")
@@ -453,12 +466,14 @@ class Loader:
             "dataset": self.dataset, "seed": plan.seed, "rank": plan.rank,
             "world_size": plan.world_size, "split_digest": plan.source_digest, "num_samples": len(plan),
         }
+        if elastic:  # any rank and world size: checked by resume_plan
+            checks = {k: checks[k] for k in ("dataset", "seed", "split_digest")}
         for key, mine in checks.items():
             if state.get(key) != mine:
                 raise ConfigError(f"loader state does not match this loader: {key} is {state.get(key)!r}, not {mine!r}")
         self._epoch = self._claimed = epoch
         self._plan = plan
-        self._delivered = DoneSet(len(plan), int(state["frontier"]), state["beyond"])
+        self._delivered = elastic[1] if elastic else DoneSet(len(plan), int(state["frontier"]), state["beyond"])
 
     # --- stats and lifetime --------------------------------------------------------------
     def stats(self) -> Stats:
