@@ -554,11 +554,17 @@ class LoaderEpoch:
     epoch.
     """
 
-    __slots__ = ("loader", "epoch", "_done")
+    __slots__ = ("loader", "epoch", "_done", "_used")
 
     def __init__(self, loader: Loader, epoch: int) -> None:
         self.loader, self.epoch = loader, epoch
-        self._done = False
+        self._done = self._used = False
+
+    def __del__(self) -> None:
+        # dropped before it was taken from (Lightning's iter() that checks an iterable): the epoch is given back
+        loader = self.loader
+        if not self._used and loader._claimed == self.epoch + 1 and loader._epoch <= self.epoch:
+            loader._claimed = self.epoch
 
     def __iter__(self) -> LoaderEpoch:
         return self
@@ -575,6 +581,7 @@ class LoaderEpoch:
         return self._take(False, None)
 
     def _take(self, block: bool, timeout: float | None) -> Batch:
+        self._used = True
         if self._done:
             raise StopIteration
         try:
