@@ -1,6 +1,8 @@
 """Defaults against the self-tuning loader against a hand-tuned grid, on two links.
 
 ``python -m dataferry.bench.tune [--seconds 3] [--runs 3] [--images 65536] [--size 110000] [--links fast,slow]``
+``python -m dataferry.bench.tune --http [--rtts 0,100,200] [--pairs 3] [--seconds 3]``: a real
+``dataferry serve --workers 2`` behind a latency proxy, the default against the best hand-tuned.
 
 The links (``--links``):
 
@@ -19,13 +21,68 @@ import statistics
 from ._common import table
 from .window import make_source, median_run, run_once
 
-__all__ = ["LINKS", "main"]
+__all__ = ["HTTP_GRID", "LINKS", "main"]
 
 #: name -> (latency s, rate Mbit/s or None, request sizes, windows) of the hand-tuned grid
 LINKS = {
     "fast": (0.0, None, (32, 64, 128, 256), (2, 4, 16, 64)),
     "slow": (0.2, 100.0, (8, 32, 128), (2, 8, 64)),
 }
+
+
+#: --http: the hand-tuned Prefetch settings tried against the default at every round trip
+HTTP_GRID = ("request_size=32", "request_size=64", "request_size=128",
+             "tune=false,request_size=64,max_inflight=8", "tune=false,request_size=64,max_inflight=32",
+             "tune=false,request_size=128,max_inflight=16")
+
+
+def http_main(args) -> int:
+    """The held-out-style set-up: a real ``dataferry serve --workers 2`` on a SQLite store, a
+    latency-proxy process per round trip, this client: all on this machine's cores. Each round trip:
+    one run of every hand-tuned setting (the best is kept), then ``--pairs`` alternated pairs of
+    the default (``Prefetch()``) and that best, in alternating order."""
+    from ._common import data_server, prefetch_of, prepared_store, process_cpu_s
+    from ._links import Condition, ProxyLink
+
+    rtts = [float(x) for x in args.rtts.split(",")]
+    summary = []
+    with prepared_store("sqlite", args.store_images) as (store_url, _, _), \
+            data_server(store_url, args=("--workers", "2")) as address:
+        def run(url: str, setting: str, seconds: float):
+            s0 = process_cpu_s(address.pid)
+            r = run_once(lambda: url, prefetch_of(setting), seconds=seconds, batch_size=args.batch_size)
+            return r, (process_cpu_s(address.pid) - s0) / max(r.samples, 1) * 1e6
+
+        for rtt in rtts:
+            seconds = args.seconds * (1 if rtt == 0 else 2)
+            with ProxyLink().emulate(Condition(rtt)) as route:
+                host, port = route(address)
+                url = f"http://{host}:{port}"
+                run(url, "default", 1.0)  # warm the server's page cache and the proxy
+                grid = {s: run(url, s, seconds) for s in HTTP_GRID}
+                best = max(grid, key=lambda s: grid[s][0].samples_per_s)
+                pairs = []
+                for i in range(args.pairs):
+                    order = ("default", best) if i % 2 == 0 else (best, "default")
+                    got = {s: run(url, s, seconds) for s in order}
+                    pairs.append((got["default"], got[best]))
+            ratios = [d[0].samples_per_s / b[0].samples_per_s for d, b in pairs]
+            print(f"\n{rtt:g} ms RTT (latency proxy), serve --workers 2, {args.store_images} JPEGs in SQLite, "
+                  f"batch {args.batch_size}, runs of {seconds:g} s; grid (one run each):")
+            print(table(["setting", "samples/s", "client us/sample", "server us/sample", "window", "ids/req"],
+                        [[s, f"{r.samples_per_s:,.0f}", f"{r.us_per_sample:.1f}", f"{srv:.1f}", str(r.window),
+                          str(r.request_size)] for s, (r, srv) in grid.items()]))
+            print(f"alternated pairs, default against the best hand-tuned ({best}):")
+            print(table(["pair", "default /s", "best /s", "ratio", "default client+server us/sample",
+                         "best client+server us/sample", "default window x ids"],
+                        [[str(i + 1), f"{d.samples_per_s:,.0f}", f"{b.samples_per_s:,.0f}",
+                          f"{d.samples_per_s / b.samples_per_s:.2f}", f"{d.us_per_sample:.0f}+{ds:.0f}",
+                          f"{b.us_per_sample:.0f}+{bs:.0f}", f"{d.window} x {d.request_size}"]
+                         for i, ((d, ds), (b, bs)) in enumerate(pairs)]))
+            summary.append(f"{rtt:g} ms: default / best hand-tuned ({best}) median {statistics.median(ratios):.2f}, "
+                           f"range {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} alternated pairs")
+    print("\n" + "\n".join(summary))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=110_000, help="bytes per sample")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--links", default="fast,slow")
+    p.add_argument("--http", action="store_true",
+                   help="the held-out-style set-up instead: dataferry serve --workers 2 behind a latency proxy")
+    p.add_argument("--rtts", default="0,100,200", help="--http: round trips in ms")
+    p.add_argument("--pairs", type=int, default=3, help="--http: alternated pairs per round trip")
+    p.add_argument("--store-images", type=int, default=4096, help="--http: JPEGs in the SQLite store")
     args = p.parse_args(argv)
+    if args.http:
+        return http_main(args)
     summary = []
     for name in args.links.split(","):
         latency, rate, sizes, windows = LINKS[name]

@@ -224,6 +224,7 @@ class Run(Recovery):
         #: another, so it counts in the budget until then (:meth:`release`)
         self.taken_bytes = 0
         self.prefetch, self.retry, self.hedge, self.errors = prefetch, retry, hedge, errors
+        self._verify = errors.verify  # read once per sample
         self.c = counters
         self._emit = emit
         self._next_plan = next_plan
@@ -235,7 +236,8 @@ class Run(Recovery):
         self.link = link if link is not None else Link(prefetch, hedge)
         self.link.start(batch_size, getattr(source, "preferred_request_size", None),
                         getattr(source, "max_concurrency", None), hedge.max_fraction if hedge.enabled else 0.0,
-                        wan_request_bytes=getattr(source, "max_request_bytes", Link.WAN_REQUEST_BYTES))
+                        wan_request_bytes=getattr(source, "max_request_bytes", Link.WAN_REQUEST_BYTES),
+                        link_rtt=(lambda: getattr(source, "link_rtt", None)) if hasattr(source, "link_rtt") else None)
         self._seq = itertools.count()
         self._active: set[_Req] = set()
         self._finished: list[_Req] = []  # requests whose task ended, not yet handled
@@ -491,7 +493,8 @@ class Run(Recovery):
 
     # --- results -------------------------------------------------------------
     def _on_result(self, req: _Req, result) -> None:
-        # per sample: the hot path (attributes read once, no tuple for an id's one position)
+        # per sample: the hot path (attributes read once, no tuple for an id's one position; one
+        # position in any order, the common case, is delivered inline, not through _deliver and deliver)
         sid = result.id
         pos = req.positions.get(sid)
         answered = req.answered
@@ -503,8 +506,12 @@ class Run(Recovery):
         extra = req.extra
         positions = (pos,) if extra is None or sid not in extra else (pos, *extra[sid])
         take = req.per_sample * len(positions)
-        if not isinstance(result, SampleNotFound) and len(result.data) > take:
-            take = len(result.data)  # larger than its share: the rest of the request's reservation covers it
+        missing = isinstance(result, SampleNotFound)
+        if not missing:
+            data = result.data
+            nbytes = len(data)
+            if nbytes > take:
+                take = nbytes  # larger than its share: the rest of the request's reservation covers it
         if take > req.reserved:
             take = req.reserved
         req.reserved -= take
@@ -516,7 +523,7 @@ class Run(Recovery):
             # the store answered a request sent since the failures began; a request sent before
             # (still streaming) says nothing of now, and would let a flood out before the breaker opens
             breaker.answered(self._loop.time())
-        if isinstance(result, SampleNotFound):
+        if missing:
             for p in positions:
                 if p not in ep.completed:
                     self._fail(ep, p, result)
@@ -525,42 +532,57 @@ class Run(Recovery):
         # sample against the bytes as they arrived here (~2 us per 110 KB). Not retried: a re-read
         # gets the same stored bytes (README, "Integrity").
         checksum = result.checksum
-        if checksum is not None and self.errors.verify and sample_checksum(result.data) != checksum:
+        if checksum is not None and self._verify and sample_checksum(data) != checksum:
             bad = CorruptSample(self.dataset, sid, self._store)
             log.error("%s", bad)
             for p in positions:
                 if p not in ep.completed:
                     self._fail(ep, p, bad)
             return
-        nbytes = len(result.data)
-        self.c.received += nbytes
+        c = self.c
+        c.received += nbytes
         link = self.link
         link.delivered += nbytes
-        link.mean_bytes += (nbytes - link.mean_bytes) * 0.05
+        mean = link.mean_bytes = link.mean_bytes + (nbytes - link.mean_bytes) * 0.05
         if nbytes > link.high_bytes:
             link.high_bytes = float(nbytes)
         else:  # the envelope decays towards the mean (half-way in about 2,800 samples)
-            link.high_bytes -= (link.high_bytes - link.mean_bytes) * 0.00025
-        link.reserve_bytes = min(link.high_bytes, link.RESERVE_CAP * link.mean_bytes)
-        first = True
+            link.high_bytes -= (link.high_bytes - mean) * 0.00025
+        link.reserve_bytes = min(link.high_bytes, link.RESERVE_CAP * mean)
         if ep.first_fail:  # a retried position's bookkeeping ends when it completes
             for p in positions:
                 ep.first_fail.pop(p, None)
                 ep.attempts.pop(p, None)
         completed = ep.completed
-        for p in positions:
-            if completed.add(p):
-                self._deliver(ep, p, result, nbytes if first else 0)
-                first = False
+        if len(positions) == 1 and not ep.in_order:  # what _deliver and ep.deliver do, inline
+            if completed.add(pos):
+                self.ready_bytes += nbytes
+                held = self._reserved + self.ready_bytes + self.taken_bytes
+                if held > c.peak_bytes:
+                    c.peak_bytes = held
+                ep.pending_bytes += nbytes
+                batch = ep.batch
+                batch.append(result)
+                ep.batch_pos.append(pos)
+                if len(batch) >= ep.batch_size:
+                    ep._flush()
             else:
-                self.c.duplicates += 1
+                c.duplicates += 1
+        else:
+            first = True
+            for p in positions:
+                if completed.add(p):
+                    self._deliver(ep, p, result, nbytes if first else 0)
+                    first = False
+                else:
+                    c.duplicates += 1
         if ep.outbox:
             self._hand_over(ep)
         twin = req.twin
         if twin is not None and twin.task is not None and not twin.task.done():
-            if all(q in ep.completed for q in twin.all_positions()):
+            if all(q in completed for q in twin.all_positions()):
                 twin.task.cancel()
-        if ep is self.current and ep.completed.complete:
+        if ep is self.current and completed.frontier >= completed.n:
             self._poke()  # end the epoch now, not when the last request closes
 
     def _deliver(self, ep: _Epoch, pos: int, sample: Sample | None, nbytes: int) -> None:

@@ -3,7 +3,7 @@ link (window, request size, sample size, latencies, delivery rate), kept across 
 
 Tuned (``Prefetch(tune=True)``), the window follows the link as BBR sizes a TCP window
 (2 x the bandwidth-delay product, a start-up gain, drain, ProbeRTT; Vegas' queue rule), and
-:class:`_RequestSizer` picks the ids per request from the engine thread's CPU per sample.
+:class:`_RequestSizer` picks the ids per request for samples per wall second at the least CPU.
 The engine (``_engine.Run``) calls :meth:`Link.start` once, then :meth:`Link.sending`,
 :meth:`Link.answered` and :meth:`Link.failed` per request, and reads ``window``,
 ``request_size``, ``reserve_bytes`` and ``hedge_after``. Decisions are logged at INFO to
@@ -39,26 +39,24 @@ def quantile(xs: Iterable[float], q: float) -> float:
 
 
 class _RequestSizer:
-    """Ids per request from the engine's own CPU cost (``Prefetch(tune=True)``
-    and no ``request_size``).
+    """Ids per request (``Prefetch(tune=True)`` and no ``request_size``) for one objective: samples
+    delivered per second of wall time, at the least CPU.
 
-    A request has a fixed cost ``o`` (a task, a POST and its headers, a
-    response to open) and a cost per sample ``c``. It starts small, so the
-    first batch is spread over several requests in flight at once; then the
-    event-loop thread's CPU per sample is measured over a few thousand samples
-    at that size ``n`` (``c + o/n``) and at ``2n`` (``c + o/2n``), which gives
-    both costs (measured once the pipe is full: a growing window costs CPU of
-    its own). If ``2n`` saved less than ``SAVING`` the size goes back to
-    ``n``; else it is the smallest power-of-two multiple of ``n`` past which a
-    doubling would save less than ``SAVING``, within ``Link._size_cap`` (16
-    requests in ``max_bytes``, 16 MiB a request or 6 MiB over a long round trip,
-    1024 ids). Decided once per
-    loader (a slow link may still cut it: ``Link._fit_size``).
+    A request has a fixed cost ``o`` (a task, a POST and its headers, a response to open; the
+    server's work per request, which this process does not see) and a cost per sample ``c``. It
+    starts small, so the first batch is spread over several requests in flight; once the pipe is
+    full, the samples answered per wall second and this process's CPU per sample (every thread:
+    the engine's, the consumer's, decoding) are measured at that size ``n`` and at ``2n``. ``2n``
+    is kept unless it delivered ``SAVING`` fewer samples a second and cost no ``SAVING`` less CPU
+    (a larger request never costs the server more, so a tie goes to it); where ``2n`` saved CPU,
+    the size is the smallest power-of-two multiple of ``n`` past which a doubling would save less
+    than ``SAVING`` (``c + o/n`` against ``c + o/2n``), within ``Link._size_cap``. Decided once
+    per loader (a slow link may still cut it: ``Link._fit_size``).
     """
 
     SAVING = 0.05
     #: a measurement: PARTS parts of at least this many samples, requests and seconds each (the
-    #: lowest part counts: interference from other processes only ever adds CPU)
+    #: best part counts: interference from other processes only ever adds CPU and takes rate)
     SAMPLES, REQUESTS, SECONDS, PARTS = 1024, 8, 0.1, 3
 
     def __init__(self, size: int, cap: Callable[[], int]) -> None:
@@ -66,11 +64,11 @@ class _RequestSizer:
         self._cap = cap  # the most ids per request now (Link._size_cap), asked when deciding
         self.done = False
         self.settle = 32  # answers to let pass first (the start, or the old size's after a change)
-        self._parts: list[float] = []
+        self._parts: list[tuple[float, float]] = []  # (CPU s per sample, samples per s)
         self._samples = self._requests = 0
         self._cpu0: float | None = None
         self._t0 = 0.0
-        self._before: float | None = None  # CPU per sample at the first size
+        self._before: tuple[float, float] | None = None  # (CPU per sample, rate) at the first size
 
     def answered(self, size: int, samples: int, window: float) -> tuple[int, str] | None:
         """A request of ``size`` ids came back with ``samples``: a new size and why, or None."""
@@ -80,7 +78,7 @@ class _RequestSizer:
             self.settle -= 1
             return None
         if self._cpu0 is None:
-            self._cpu0, self._t0 = time.thread_time(), time.monotonic()
+            self._cpu0, self._t0 = time.process_time(), time.monotonic()
             return None
         self._samples += samples
         self._requests += 1
@@ -89,28 +87,35 @@ class _RequestSizer:
         t = time.monotonic()
         if t - self._t0 < self.SECONDS:
             return None
-        now = time.thread_time()
-        self._parts.append((now - self._cpu0) / self._samples)
+        now = time.process_time()
+        self._parts.append(((now - self._cpu0) / self._samples, self._samples / (t - self._t0)))
         self._cpu0, self._t0, self._samples, self._requests = now, t, 0, 0
         if len(self._parts) < self.PARTS:
             return None
-        per_sample, self._parts, self._cpu0 = min(self._parts), [], None
+        b = min(c for c, _ in self._parts)
+        rb = max(r for _, r in self._parts)
+        self._parts, self._cpu0 = [], None
         n = self.size
         upper = max(n, self._cap())
         if self._before is None:  # measured at the first size: now at twice that
-            self._before = per_sample
+            self._before = (b, rb)
             if n * 2 > upper:
                 self.done = True
-                return n, f"{n} ids per request: {per_sample * 1e6:.1f} us of CPU per sample; the byte budget allows no more"
+                return n, (f"{n} ids per request: {rb:,.0f} samples/s at {b * 1e6:.1f} us of CPU per sample; "
+                           "the byte budget allows no more")
             self.size = n * 2
             self.settle = int(window) + 1
-            return self.size, f"{n} ids per request: {per_sample * 1e6:.1f} us of CPU per sample; trying {n * 2}"
+            return self.size, (f"{n} ids per request: {rb:,.0f} samples/s at {b * 1e6:.1f} us of CPU per sample; "
+                               f"trying {n * 2}")
         self.done = True
-        a, b, small = self._before, per_sample, n // 2  # CPU per sample at n/2 and at n
-        if a - b <= self.SAVING * a:
+        (a, ra), small = self._before, n // 2  # at n/2 and at n
+        seen = (f"{small} ids per request: {ra:,.0f} samples/s at {a * 1e6:.1f} us of CPU per sample; "
+                f"{n}: {rb:,.0f} at {b * 1e6:.1f}")
+        if rb < (1 - self.SAVING) * ra and b > (1 - self.SAVING) * a:
             self.size = small
-            return small, (f"{n} ids per request took {b * 1e6:.1f} us of CPU per sample, {small} took "
-                           f"{a * 1e6:.1f}: less than {self.SAVING:.0%} saved; back to {small}")
+            return small, f"{seen}: slower and no cheaper; back to {small}"
+        if a - b <= self.SAVING * a:
+            return n, f"{seen}: as fast or faster, and fewer requests for the server; {n} ids"
         # a = c + o / small, b = c + o / n: the per-request overhead o and the per-sample cost c
         overhead = (a - b) * n
         cost = max(b - (a - b), 1e-9)
@@ -121,9 +126,8 @@ class _RequestSizer:
             size *= 2
         self.size = size
         capped = "; the byte budget allows no more" if size * 2 > upper and size < best else ""
-        return size, (f"{small} ids per request took {a * 1e6:.1f} us of CPU per sample, {n} took {b * 1e6:.1f}: "
-                      f"about {overhead * 1e6:.0f} us per request and {cost * 1e6:.1f} us per sample, so "
-                      f"{size} ids{capped}")
+        return size, (f"{seen}: about {overhead * 1e6:.0f} us per request and {cost * 1e6:.1f} us per sample, "
+                      f"so {size} ids{capped}")
 
 
 class Link:
@@ -171,6 +175,9 @@ class Link:
     #: the smallest tuned window, and the smallest start (and the fewest requests a link-bound
     #: window is cut into)
     MIN_WINDOW, MIN_START = 2, 4
+    #: tuned, the least window over a short link (``link_round_trip`` under LINK_RTT_S): latency
+    #: there is the server at work, not a link's queue; waiting at a server costs memory, not rate
+    LOCAL_WINDOW = 8
     #: the link is the limit (not the engine's CPU) when the round trip is at least LINK_RTT_S and
     #: the engine's thread was on CPU less than LINK_BOUND of it
     LINK_RTT_S, LINK_BOUND = 0.01, 0.5
@@ -228,19 +235,22 @@ class Link:
         #: the most bytes a request carries over a long round trip (None: no limit of the source's own)
         self.wan_request_bytes: int | None = self.WAN_REQUEST_BYTES
         self.started = False
+        self._link_rtt: Callable[[], float | None] | None = None
         self._logged: dict[str, float] = {}
 
     def start(self, batch_size: int, preferred: int | None, concurrency: int | None = None,
-              hedge_share: float = 0.0, *, wan_request_bytes: int | None = WAN_REQUEST_BYTES) -> None:
+              hedge_share: float = 0.0, *, wan_request_bytes: int | None = WAN_REQUEST_BYTES,
+              link_rtt: Callable[[], float | None] | None = None) -> None:
         """The first run: choose the request size and the first window. ``concurrency``: the
         requests the source carries at once (``max_concurrency``, e.g. an HTTP pool's connections);
         ``wan_request_bytes``: the most one request carries over a long round trip (the source's
-        ``max_request_bytes``; None: no limit of its own, as ``MemorySource``)."""
+        ``max_request_bytes``; None: no limit of its own, as ``MemorySource``); ``link_rtt``: the
+        link's own round trip as the source measures it (a request's time less the server's, from
+        the service's Server-Timing header; ``HttpSource.link_rtt``), None where it cannot."""
         if self.started:
             return
-        self.started = True
-        p = self.prefetch
-        self.wan_request_bytes = wan_request_bytes
+        self.started, p = True, self.prefetch
+        self.wan_request_bytes, self._link_rtt = wan_request_bytes, link_rtt
         if concurrency:
             self.concurrency = max(1, int(concurrency / (1.0 + hedge_share)))
         preferred = preferred or 32
@@ -268,7 +278,8 @@ class Link:
         source's ``max_request_bytes`` (``WAN_REQUEST_BYTES`` unless it says) over a round trip of
         ``LINK_RTT_S`` or more; 1024."""
         most = min(self.budget / 16, self.REQUEST_BYTES)
-        wan = self.min_first is not None and self.min_first >= self.LINK_RTT_S
+        rtt = self.link_round_trip()
+        wan = rtt is not None and rtt >= self.LINK_RTT_S
         if wan and self.wan_request_bytes is not None:
             most = min(most, self.wan_request_bytes)
         return max(1, min(1024, int(most / self.mean_bytes)))
@@ -290,7 +301,18 @@ class Link:
             return cap
         bdp = self.bandwidth * self.min_latency / (self.request_size * self.mean_bytes)
         gain = self.GAIN if self.filled else self.STARTUP_GAIN
-        return max(float(self.MIN_WINDOW), min(cap, gain * bdp))
+        return max(min(cap, self._floor()), min(cap, gain * bdp))
+
+    def _floor(self) -> float:
+        """The smallest tuned window: ``LOCAL_WINDOW`` over a short link, else ``MIN_WINDOW``."""
+        rtt = self.link_round_trip()
+        return float(self.LOCAL_WINDOW if rtt is not None and rtt < self.LINK_RTT_S else self.MIN_WINDOW)
+
+    def link_round_trip(self) -> float | None:
+        """The link's round trip: the source's measure without the server's time (its Server-Timing
+        header: a busy server's latency is not a link's), else the lowest first-answer latency."""
+        told = self._link_rtt() if self._link_rtt is not None else None
+        return told if told is not None else self.min_first
 
     def sending(self, now: float) -> None:
         """A request goes out at ``now``: the first starts the delivery-rate clock."""
@@ -369,7 +391,7 @@ class Link:
                                    f"{self.min_latency * 1e3:.0f} ms needs {need:,.0f} samples in flight, and the "
                                    f"source carries {self.concurrency} requests at once")
                 return
-        rtt = self.min_first
+        rtt = self.link_round_trip()
         if (self.sizer is None or self.busy is None or self.busy > self.LINK_BOUND or self.request_size <= 1
                 or rtt is None or rtt < self.LINK_RTT_S):
             return
@@ -472,7 +494,7 @@ class Link:
         if latency > 0:
             queued = self.window * (1.0 - self.min_latency / latency)
         target = self.target()
-        floor = float(self.MIN_WINDOW if self.tuned else p.initial_inflight or 2)
+        floor = self._floor() if self.tuned else float(p.initial_inflight or 2)
         if self.tuned:
             # BBR's rule: grow to the target whatever the latency; Vegas' only past the gain
             low, high = _INF, max(self.QUEUE_HIGH, self.SHARE_HIGH * self.window)

@@ -206,13 +206,17 @@ async def stream_samples(request: web.Request, gate: StoreGate, dataset: str, id
     # The store's checksums go on as they are (version 2 records, when the client asks): the
     # client verifies them, so one check covers the store, this server and the link.
     sums = wants_sums(request.headers.get("Accept", ""))
+    t0 = time.perf_counter()
     producer = asyncio.create_task(_produce(gate, dataset, ids, outbox, metrics, sums))
     resp: web.StreamResponse | None = None
     writer: AbstractStreamWriter | None = None
     try:
         while (parts := await outbox.take(options.write_chunk)) is not None:
             if writer is None:
-                resp = web.StreamResponse(headers={"Content-Type": FRAMES_TYPE, "Cache-Control": "no-store"})
+                # Server-Timing: ms from the request to its first records, so a client tells the
+                # server's time from the link's (server/README.md)
+                resp = web.StreamResponse(headers={"Content-Type": FRAMES_TYPE, "Cache-Control": "no-store",
+                                                   "Server-Timing": f"first;dur={(time.perf_counter() - t0) * 1e3:.2f}"})
                 resp.enable_chunked_encoding()
                 writer = await resp.prepare(request)
                 assert writer is not None

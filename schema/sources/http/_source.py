@@ -21,6 +21,8 @@ import datetime as _dt
 import json
 import logging
 import ssl
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from urllib.parse import quote
@@ -139,6 +141,10 @@ class HttpSource:
         self._pool: Pool | None = pool
         self._buffers = BufferPool(options.spare_buffers, options.arena)
         self._mean_record = 0.0  # bytes per record of the last response (0: none yet)
+        #: the link's part of a request's time to its response head (that time less the server's
+        #: own, from its Server-Timing header), the lowest of the last 64; None: not told yet
+        self.link_rtt: float | None = None
+        self._link_rtts: deque[float] = deque(maxlen=64)
         self._has_token = token is not None
         u = URL(url)
         host = f"[{u.host}]" if ":" in (u.host or "") else u.host
@@ -203,6 +209,18 @@ class HttpSource:
         return cls(base, pool, options, token, file)
 
     # --- the seam ------------------------------------------------------------------
+    def _timed(self, head_s: float, timing: str | None) -> None:
+        """A response head came ``head_s`` after its request; ``timing``: its Server-Timing
+        (``first;dur=MS``, the server's time to its first records). Updates ``link_rtt``."""
+        if not timing or not timing.startswith("first;dur="):
+            return
+        try:
+            server = float(timing[10:]) / 1e3
+        except ValueError:
+            return
+        self._link_rtts.append(max(0.0, head_s - server))
+        self.link_rtt = min(self._link_rtts)
+
     async def fetch(self, dataset: str, ids: Sequence[int]) -> AsyncIterator[Sample | SampleNotFound]:
         """One batch request; yield each record as it arrives (completion order)."""
         if not len(ids):
@@ -220,10 +238,12 @@ class HttpSource:
             request = b"%s%d\r\n\r\n%s" % (head, len(body), body)
             decoder = FrameDecoder(dataset, max_record=self.options.max_record_bytes, arena=self._buffers.take,
                                    give_back=self._buffers.give_back, expect=len(ids), mean=self._mean_record)
+            sent = time.monotonic()
             try:
                 async with self._open_pool().exchange(request, FRAMES_TYPE, decoder,
                                                       pause_above=self.options.read_buffer) as conn:
                     await self._check_response(conn, "POST", path, FRAMES_TYPE, what, dataset=dataset)
+                    self._timed(time.monotonic() - sent, conn.head.headers.get("server-timing"))
                     while True:
                         if decoder.records:
                             for rec in decoder.take():
