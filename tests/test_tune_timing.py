@@ -1,0 +1,74 @@
+"""The tuner tells a busy server from a long link by the service's Server-Timing header
+(issue 25): the server's time is taken out of a request's, and the window's floor and the
+long-link request cap follow the link's own round trip."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from dataferry.client import Hedge, Prefetch
+from dataferry.client._tuner import Link
+from dataferry.schema import open_store
+from dataferry.schema.sources.http._source import HttpSource
+from dataferry.server import make_app
+from server_kit import make_samples, run, seed, serve
+
+
+class SlowStore:
+    """A store whose reads wait ``delay`` seconds first: a busy server, on a link of no length."""
+
+    def __init__(self, inner, delay: float) -> None:
+        self._inner, self.delay = inner, delay
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    async def fetch(self, dataset, ids):
+        await asyncio.sleep(self.delay)
+        async for rec in self._inner.fetch(dataset, ids):
+            yield rec
+
+
+def test_the_server_reports_its_time_and_the_source_takes_it_out_of_the_round_trip(tmp_path):
+    samples = make_samples(8, size=1000)
+    ids = [s.id for s in samples]
+
+    async def go():
+        async with await open_store(f"sqlite://{tmp_path / 's.db'}") as store:
+            await seed(store, "d", samples)
+            async with serve(make_app(SlowStore(store, 0.08))) as base:
+                async with aiohttp.ClientSession() as http:
+                    async with http.post(f"{base}/v1/datasets/d/samples", json={"ids": ids}) as resp:
+                        timing = resp.headers["Server-Timing"]
+                        await resp.read()
+                async with await HttpSource.open(base) as src:
+                    assert src.link_rtt is None
+                    t0 = asyncio.get_running_loop().time()
+                    got = [r async for r in src.fetch("d", ids)]
+                    took = asyncio.get_running_loop().time() - t0
+                    return timing, src.link_rtt, took, len(got)
+
+    timing, link_rtt, took, n = run(go())
+    assert n == 8
+    assert timing.startswith("first;dur=") and float(timing[10:]) >= 80, timing
+    assert took >= 0.08 and link_rtt is not None and link_rtt < 0.04, (took, link_rtt)
+
+
+def test_the_link_round_trip_from_the_source_decides_the_floor_and_the_long_link_cap():
+    def link(told):
+        k = Link(Prefetch(), Hedge(enabled=False))
+        k.start(256, 32, 128, link_rtt=told)
+        k.mean_bytes = 100_000.0
+        k.min_first = 0.03  # 30 ms to a first answer: a long link by latency alone
+        return k
+
+    busy_server = link(lambda: 0.002)  # but the server says 28 of them were its own
+    assert busy_server.link_round_trip() == 0.002
+    assert busy_server._floor() == Link.LOCAL_WINDOW
+    assert busy_server._size_cap() == Link.REQUEST_BYTES // 100_000  # not the long link's 6 MiB
+    far = link(None)  # no Server-Timing (an older server, another source): latency alone
+    assert far.link_round_trip() == 0.03
+    assert far._floor() == Link.MIN_WINDOW
+    assert far._size_cap() == Link.WAN_REQUEST_BYTES // 100_000
