@@ -33,7 +33,7 @@ def _port() -> int:
 def _job(launch: list[str], url: str, tmp) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "dataferry.bench.train_elastic",
             "--url", url, "--dataset", "d", "--ckpt", str(tmp / "loader.json"), "--epochs", str(EPOCHS),
-            "--batch-size", str(BATCH), "--every", str(EVERY), "--step-time", "0.1", "--trace", str(tmp)]
+            "--batch-size", str(BATCH), "--every", str(EVERY), "--step-time", "0.05", "--trace", str(tmp)]
 
 
 def _lines(tmp) -> dict[int, list[dict]]:
