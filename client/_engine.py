@@ -225,7 +225,6 @@ class Run(Recovery):
         self.taken_bytes = 0
         self.prefetch, self.retry, self.hedge, self.errors = prefetch, retry, hedge, errors
         self._verify = errors.verify  # read once per sample
-        self._verify = errors.verify  # read once per sample
         self.c = counters
         self._emit = emit
         self._next_plan = next_plan
