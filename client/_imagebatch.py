@@ -25,7 +25,7 @@ import numpy as np
 from dataferry.schema import InvalidImage, UndecodableSample
 from dataferry.schema import ConfigError, DataferryError
 
-from ._elastic import gather
+from ._elastic import DealtPlan, dealt_of, gather
 from ._types import Batch
 from ._transforms import (
     EvalTransform,
@@ -316,7 +316,12 @@ class ImageIterator:
         local = getattr(self.loader, "_local_state", None)  # a Loader: gathered after taking the in-flight out
         if local is None:
             return state_without(self.loader.state_dict(), self._in_flight())
-        return gather(state_without(local(), self._in_flight()))
+        inflight, plan = self._in_flight(), getattr(self.loader, "_plan", None)  # the plan before local() moves on
+        state = local()
+        if inflight and isinstance(plan, DealtPlan) and state["epoch"] == plan.epoch + 1 \
+                and all(b.epoch == plan.epoch for b in inflight):
+            state = dict(state, num_samples=len(plan), **dealt_of(plan))  # a re-dealt epoch's tail in flight here
+        return gather(state_without(state, inflight))
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`; only with nothing in flight (before
