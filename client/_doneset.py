@@ -45,6 +45,31 @@ class DoneSet:
             self.frontier = self.n if f < 0 else f
         return True
 
+    def add_many(self, positions: np.ndarray) -> int:
+        """Mark every one of ``positions`` (int array, repeats allowed) done at once, in numpy;
+        the count newly done."""
+        pos = np.asarray(positions, np.int64)
+        if not len(pos):
+            return 0
+        least, most = int(pos.min()), int(pos.max())
+        if least < 0 or most >= self.n:
+            raise IndexError(f"positions outside 0..{self.n - 1}")
+        lo, hi = max(least, self.frontier), most + 1
+        if lo >= hi:
+            return 0
+        done = np.frombuffer(self._done, np.uint8)
+        span = done[lo:hi]  # positions arrive near the frontier: a short span, counted at C speed
+        before = int(np.count_nonzero(span))
+        done[pos[pos >= lo]] = 1
+        added = int(np.count_nonzero(span)) - before
+        del done, span  # the bytearray exports no buffer once back
+        self._count += added
+        f = self.frontier
+        if f < self.n and self._done[f]:
+            f = self._done.find(0, f)
+            self.frontier = self.n if f < 0 else f
+        return added
+
     def __contains__(self, pos: int) -> bool:
         return pos < self.frontier or (pos < self.n and self._done[pos] == 1)
 
