@@ -1,0 +1,173 @@
+"""ProcessLoader: the engine in a child process, batches in shared memory (issue 25 item 3)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from dataferry.client import Loader, MemorySource, PlanOptions, Prefetch
+from dataferry.client._subprocess import ProcessLoader, _Arena
+from dataferry.schema import (
+    ConfigError, DataferryError, DatasetInfo, IdList, Sample, SampleMeta, SampleRecord, open_store, sample_id,
+)
+
+N = 300
+EXPECTED: dict[int, bytes] = {}
+
+
+def _bytes(k: int) -> bytes:
+    return bytes([k % 251]) * (200 + (k * 37) % 900)
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("proc") / "s.db"
+
+    async def fill():
+        async with await open_store(f"sqlite://{path}", create=True) as store:
+            rows = [SampleMeta(sample_id("d", f"{k}.jpg"), k % 5, f"{k}.jpg", "jpeg", 8, 8, len(_bytes(k)), "0" * 64, {})
+                    for k in range(N)]
+            recs = [SampleRecord(Sample(m.id, m.label, _bytes(k)), m) for k, m in enumerate(rows)]
+            await store.put_samples("d", recs)
+            await store.put_dataset(DatasetInfo("d", ["a", "b", "c", "d", "e"], N, dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)))
+            await store.put_split("d", "all", IdList([m.id for m in rows], [m.label for m in rows]))
+        return {m.id: _bytes(k) for k, m in enumerate(rows)}
+
+    EXPECTED.update(asyncio.run(fill()))
+    return f"sqlite://{path}"
+
+
+def _shm() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
+
+
+def _check(batch, expected) -> None:
+    for i, d in zip(batch.ids.tolist(), batch.data):
+        assert d.tobytes() == expected[i]
+
+
+def test_exact_once_two_epochs_and_close_twice(url):
+    before = _shm()
+    with ProcessLoader(url, "d", batch_size=32, plan=PlanOptions(seed=1), prefetch=Prefetch(max_bytes=1 << 20)) as ld:
+        for _ in range(2):
+            seen = []
+            for b in ld:
+                _check(b, EXPECTED)
+                seen += b.ids.tolist()
+            assert sorted(seen) == sorted(EXPECTED)
+        st = ld.stats()
+        assert st.samples == 2 * N and st.received > 0 and st.requests > 0  # the child's figures reach stats()
+        pid = ld.engine_pid
+        ld.close()
+        ld.close()
+    assert not _alive(pid)
+    assert _shm() <= before
+    with pytest.raises(DataferryError, match="closed"):
+        ld.get()
+
+
+def test_resume_mid_epoch(url):
+    with ProcessLoader(url, "d", batch_size=20, plan=PlanOptions(seed=3)) as ld:
+        it = iter(ld)
+        first = [i for _ in range(5) for i in next(it).ids.tolist()]
+        state = ld.state_dict()
+    with ProcessLoader(url, "d", batch_size=20, plan=PlanOptions(seed=3)) as ld2:
+        ld2.load_state_dict(state)
+        rest = [i for b in ld2 for i in b.ids.tolist()]
+    assert len(first) == 100 and sorted(first + rest) == sorted(EXPECTED)
+
+
+def test_arena_bounds_held_batches(url):
+    """Batches held by the consumer hold the arena: the child waits, memory stays bounded."""
+    arena = 64 << 10
+    with ProcessLoader(url, "d", batch_size=16, arena_bytes=arena, prefetch=Prefetch(max_bytes=1 << 16)) as ld:
+        held = []
+        with pytest.raises(TimeoutError):
+            while True:
+                held.append(ld.get(timeout=1.0))
+        assert 0 < sum(b.nbytes for b in held) <= arena
+        _check(held[0], EXPECTED)
+        n = len(held)
+        held.clear()  # dropping the views gives their regions back
+        more = [b.ids.tolist() for b in iter(lambda: _next(ld), None)]
+        assert n * 16 + sum(map(len, more)) >= N - 16
+
+
+def _next(ld):
+    try:
+        return ld.get(timeout=5)
+    except StopIteration:
+        return None
+
+
+def test_arena_ring():
+    a = _Arena(100)
+    x, y = a.alloc(40), a.alloc(40)
+    assert (x, y) == (0, 40) and a.alloc(30) is None
+    a.free(y)
+    assert a.alloc(30) is None  # y is behind x: nothing comes back until x is freed
+    a.free(x)
+    assert a.alloc(30) == 0 and a.alloc(60) == 30 and a.alloc(20) is None
+    with pytest.raises(ConfigError, match="arena"):
+        a.alloc(101)
+
+
+def test_source_object_refused():
+    with pytest.raises(ConfigError, match="URL"):
+        ProcessLoader(MemorySource("d", []), "d", ids=IdList([], []))
+
+
+def test_child_killed_raises_at_once(url):
+    with ProcessLoader(url, "d", batch_size=8, arena_bytes=1 << 16, prefetch=Prefetch(max_bytes=1 << 16)) as ld:
+        ld.get()
+        os.kill(ld.engine_pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(DataferryError, match="killed by signal 9"):
+            while True:
+                ld.get(timeout=30)
+        assert time.monotonic() - t0 < 10
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[1].split()[0] != "Z"
+
+
+def test_parent_killed_leaves_no_orphan(url):
+    before = _shm()
+    code = textwrap.dedent(f"""
+        import sys, time
+        from dataferry.client._subprocess import ProcessLoader
+        if __name__ == "__main__":
+            ld = ProcessLoader({url!r}, "d", batch_size=8, arena_bytes=1 << 16)
+            ld.get()
+            print(ld.engine_pid, flush=True)
+            time.sleep(60)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = int(p.stdout.readline())
+    assert _alive(child)
+    p.kill()
+    p.wait()
+    p.stdout.close()
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+    deadline = time.monotonic() + 5  # the resource tracker unlinks the dead parent's segment
+    while not _shm() <= before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _shm() <= before
