@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import time
 
 __all__ = ["main"]
@@ -49,11 +50,13 @@ def main(argv=None) -> None:
             if os.path.exists(a.ckpt):
                 with open(a.ckpt) as f:
                     loader.load_state_dict(json.load(f))  # saved by any world size
-            step = 0
+            step = samples = 0
+            first = None
             while loader.epoch < a.epochs:
                 for batch in loader:  # one epoch (the rest of it, after a resume)
-                    if step == 0 and rank == 0:
-                        print(f"first batch after {time.monotonic() - t0:.2f} s", flush=True)
+                    if first is None:
+                        first = time.monotonic() - t0
+                    samples += len(batch)
                     time.sleep(a.step_time)
                     if log:
                         log.write(json.dumps({"epoch": batch.epoch, "ids": batch.ids.tolist()}) + "\n")
@@ -65,8 +68,16 @@ def main(argv=None) -> None:
                             with open(a.ckpt + ".tmp", "w") as f:
                                 json.dump(state, f)
                             os.replace(a.ckpt + ".tmp", a.ckpt)
+            wall = time.monotonic() - t0
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            ranks: list = [None] * world
+            dist.all_gather_object(ranks, (first, samples, wall, rss))
             if rank == 0:
-                print(f"rank 0 of {world}: {step} steps in {time.monotonic() - t0:.2f} s", flush=True)
+                for r, (f, n, w, m) in enumerate(ranks):
+                    print(f"rank {r} of {world}: first batch {f:.2f} s after creating the Loader, {n} samples "
+                          f"in {w:.2f} s, max RSS {m:.0f} MiB", flush=True)
+                total, longest = sum(x[1] for x in ranks), max(x[2] for x in ranks)
+                print(f"job: {total} samples / {longest:.2f} s = {total / longest:.0f} samples/s", flush=True)
     finally:
         if log:
             log.close()
