@@ -33,3 +33,30 @@ def test_trainer_checkpoint_resumes_the_epoch_exactly(tmp_path):
     assert set(epoch0) == set(range(N)) and max(epoch0.values()) == 1, "epoch 0 once, across the restart"
     assert set(epoch1) == set(range(N)) and max(epoch1.values()) == 1
     assert len(again.seen) == 2 * N // BATCH - STOP
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_torchdata_stateful_dataloader_resumes_the_epoch_exactly():
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    from dataferry.client import EvalTransform, Loader, PlanOptions, TorchIterator
+
+    samples = jpeg_samples(N)
+    seen: list[tuple[int, int]] = []
+
+    def run(state=None, take=None):
+        with Loader(MemorySource("pets", samples), "pets", batch_size=BATCH, plan=PlanOptions(seed=1)) as loader, \
+                TorchIterator(loader, EvalTransform(size=8, resize=8), workers=1) as it:
+            dl = sdl.StatefulDataLoader(it, batch_size=None, num_workers=0)
+            if state is not None:
+                dl.load_state_dict(state)
+            if take is not None:
+                batches = iter(dl)
+                seen.extend((b.epoch, i) for _ in range(take) for b in [next(batches)] for i in b.ids.tolist())
+                return dl.state_dict()
+            for _ in range(2):
+                seen.extend((b.epoch, i) for b in dl for i in b.ids.tolist())
+
+    run(state=run(take=STOP))
+    for epoch in (0, 1):
+        got = Counter(i for e, i in seen if e == epoch)
+        assert set(got) == set(range(N)) and max(got.values()) == 1, f"epoch {epoch}"
