@@ -90,7 +90,7 @@ def test_arena_bounds_held_batches(url):
     """Batches held by the consumer hold the arena: the child waits, memory stays bounded."""
     arena = 64 << 10
     with ProcessLoader(url, "d", batch_size=16, arena_bytes=arena, prefetch=Prefetch(max_bytes=1 << 16)) as ld:
-        held = []
+        held = [ld.get(timeout=60)]  # the child's start
         with pytest.raises(TimeoutError):
             while True:
                 held.append(ld.get(timeout=1.0))
