@@ -393,8 +393,9 @@ class Link:
                 return
         rtt = self.link_round_trip()
         if (self.sizer is None or self.busy is None or self.busy > self.LINK_BOUND or self.request_size <= 1
-                or rtt is None or rtt < self.LINK_RTT_S):
-            return
+                or rtt is None or rtt < 2 * self.LINK_RTT_S or (self._link_rtt and self._link_rtt() is None)
+                or self.request_size * self.mean_bytes < self.bandwidth * rtt):
+            return  # 20 ms: a loaded machine's loopback reads 10-15; wait for the source's evidence
         fits = self.GAIN * self.bandwidth * rtt / (self.MIN_START * self.mean_bytes)
         size = self.request_size
         while size > 1 and size > fits:

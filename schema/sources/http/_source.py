@@ -242,8 +242,10 @@ class HttpSource:
             try:
                 async with self._open_pool().exchange(request, FRAMES_TYPE, decoder,
                                                       pause_above=self.options.read_buffer) as conn:
+                    reused = conn.last_used > 0  # a new connection's time has its connect in it
                     await self._check_response(conn, "POST", path, FRAMES_TYPE, what, dataset=dataset)
-                    self._timed(time.monotonic() - sent, conn.head.headers.get("server-timing"))
+                    if reused:
+                        self._timed(time.monotonic() - sent, conn.head.headers.get("server-timing"))
                     while True:
                         if decoder.records:
                             for rec in decoder.take():
