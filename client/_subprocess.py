@@ -41,8 +41,10 @@ log = logging.getLogger("dataferry.client")
 
 #: seconds between the child's engine figures sent to the parent
 STATS_EVERY = 0.5
-#: the arena when neither ``arena_bytes`` nor ``Prefetch.max_bytes`` is given
-DEFAULT_ARENA = 256 << 20
+#: the arena without ``arena_bytes``: the batches between the child's engine and the consumer (the
+#: engine's own budget holds the rest); small, and touched once at the start (a page's first touch
+#: is a fault: tens of us per 110 KB sample on the first lap round a large arena)
+DEFAULT_ARENA = 128 << 20
 
 
 class _Arena:
@@ -122,6 +124,7 @@ def _child_main(conn, shm_name: str, size: int, ppid: int) -> None:
     threading.Thread(target=_watch_parent, args=(ppid,), daemon=True).start()
     shm = _attach(shm_name)
     buf = np.frombuffer(shm.buf, np.uint8)
+    buf[:] = 0  # every page made now, not on the first lap
     try:
         source, kwargs = conn.recv()
         loader = Loader(source, **kwargs)
@@ -236,6 +239,7 @@ class _Link:
 def _pump(link: _Link, q, buf: memoryview, counters, proc) -> None:
     """The parent's reader: descriptors become Batches of views into the arena."""
     conn = link.conn
+    np.frombuffer(buf, np.uint8)[::4096].sum()  # map every page here too, once
     while True:
         try:
             if not conn.poll(0.1):
@@ -302,7 +306,7 @@ class ProcessLoader(Loader):
     """A :class:`Loader` whose engine runs in a child process (off the training process's GIL).
 
     Same arguments and behaviour, plus ``arena_bytes``: the shared memory batches are handed
-    over in (default ``Prefetch.max_bytes``, else 256 MiB); a batch's bytes go back to the child
+    over in (default 128 MiB; memory is the engine's byte budget plus it); a batch's bytes go back to the child
     when its last view is dropped, so holding batches holds the arena. ``source`` must be a
     URL (the child opens it again; a token goes over the pipe, never argv or the environment).
     """
@@ -314,7 +318,7 @@ class ProcessLoader(Loader):
         if arena_bytes is not None and arena_bytes < 1 << 16:
             raise ConfigError(f"arena_bytes must be at least 64 KiB, not {arena_bytes}")
         super().__init__(source, dataset, **kwargs)
-        self._arena_bytes = arena_bytes or self.prefetch.max_bytes or DEFAULT_ARENA
+        self._arena_bytes = arena_bytes or DEFAULT_ARENA
         keep = ("ids", "batch_size", "drop_last", "order", "prefetch", "retry", "hedge", "errors",
                 "token", "token_file", "ca_file", "http")
         self._child_args = (source, {"dataset": dataset, "split": self.split,

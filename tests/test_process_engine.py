@@ -57,7 +57,8 @@ def _check(batch, expected) -> None:
 
 def test_exact_once_two_epochs_and_close_twice(url):
     before = _shm()
-    with ProcessLoader(url, "d", batch_size=32, plan=PlanOptions(seed=1), prefetch=Prefetch(max_bytes=1 << 20)) as ld:
+    with ProcessLoader(url, "d", batch_size=32, plan=PlanOptions(seed=1), prefetch=Prefetch(max_bytes=1 << 20),
+                       arena_bytes=1 << 20) as ld:
         for _ in range(2):
             seen = []
             for b in ld:
@@ -76,11 +77,11 @@ def test_exact_once_two_epochs_and_close_twice(url):
 
 
 def test_resume_mid_epoch(url):
-    with ProcessLoader(url, "d", batch_size=20, plan=PlanOptions(seed=3)) as ld:
+    with ProcessLoader(url, "d", batch_size=20, plan=PlanOptions(seed=3), arena_bytes=1 << 20) as ld:
         it = iter(ld)
         first = [i for _ in range(5) for i in next(it).ids.tolist()]
         state = ld.state_dict()
-    with ProcessLoader(url, "d", batch_size=20, plan=PlanOptions(seed=3)) as ld2:
+    with ProcessLoader(url, "d", batch_size=20, plan=PlanOptions(seed=3), arena_bytes=1 << 20) as ld2:
         ld2.load_state_dict(state)
         rest = [i for b in ld2 for i in b.ids.tolist()]
     assert len(first) == 100 and sorted(first + rest) == sorted(EXPECTED)
