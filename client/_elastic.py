@@ -87,11 +87,12 @@ def _contribution(state: dict) -> np.ndarray:
         perm = _deal(done, state["rank"], state["world_size"], dealt["uneven"])
         done[perm[_local_done(state)]] = True
         return done
-    n = int(state.get("split_len") or 0)
-    world, rank, k = int(state["world_size"]), int(state["rank"]), int(state["num_samples"])
-    if not n:
+    if "split_len" not in state:
         raise ConfigError("loader state has no split_len: saved by an older dataferry, it cannot be merged")
+    n, world, rank, k = int(state["split_len"]), int(state["world_size"]), int(state["rank"]), int(state["num_samples"])
     done = np.zeros(n, dtype=bool)
+    if not n:
+        return done
     if k * world < n:
         done[k * world:] = True  # dropped by uneven="drop": not part of this epoch
     done[(_local_done(state) * world + rank) % n] = True
