@@ -12,6 +12,7 @@ from ._types import Batch, SampleFailed
 from ._imagebatch import ImageBatch
 from ._attribution import Interval
 from ._loader import Loader, LoaderEpoch
+from ._subprocess import ProcessLoader
 from ._metrics import ClientMetrics, serve_metrics
 from ._options import ErrorPolicy, Hedge, PlanOptions, Prefetch, Retry
 from ._stats import Stats
@@ -21,6 +22,7 @@ from ._transforms import EvalTransform, TargetKind, TrainTransform
 __all__ = [
     "Loader",
     "LoaderEpoch",
+    "ProcessLoader",
     "Batch",
     "Stats",
     "Interval",

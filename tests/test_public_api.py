@@ -17,7 +17,7 @@ PUBLIC = {
         "ingest", "IngestOptions", "IngestReport", "make_splits", "derive_split", "DerivedSplit", "FilterError", "parse_filter", "make_synthetic", "read_token_file", "encode_mask", "encode_multilabel",
     ],
     "dataferry.client": [
-        "Batch", "ErrorPolicy", "Hedge", "Loader", "LoaderEpoch", "MemorySource",
+        "Batch", "ErrorPolicy", "Hedge", "Loader", "LoaderEpoch", "ProcessLoader", "MemorySource",
         "PlanOptions", "Prefetch", "Retry", "SampleFailed", "CorruptSample", "UndecodableSample", "Stats", "Interval", "ClientMetrics", "serve_metrics",
         "HttpSource", "HttpOptions", "TokenRefused", "RequestRejected",
         "DaliIterator", "DaliOptions", "TorchIterator", "ImageBatch", "TrainTransform", "EvalTransform",
