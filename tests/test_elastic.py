@@ -26,7 +26,9 @@ def _port() -> int:
 def _spawn(tmp_path, name: str, world: int, take: list[int], load=None, finish=True) -> list[dict]:
     out = tmp_path / name
     out.mkdir()
-    mp.spawn(kit.rank_main, args=(world, _port(), load and str(load), take, str(out), finish), nprocs=world)
+    # forked: the children start with torch imported (spawn re-imports it in each, seconds on 2 cores)
+    mp.start_processes(kit.rank_main, args=(world, _port(), load and str(load), take, str(out), finish),
+                       nprocs=world, start_method="fork")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
