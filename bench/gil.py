@@ -6,7 +6,8 @@ at each round trip; a training loop that takes batches and runs a step of ``--st
 sleeps the other half, ``sleep`` sleeps all of it (GPU work). For each (RTT, consumer) it runs
 alternated pairs of ``Loader`` (in-process) and ``ProcessLoader`` and prints per run: samples/s
 (total samples over the timed wall time, from the first batch on), the loop's wait on the
-loader (% of wall time), the mean ``get()`` call in us, client CPU per sample (the training
+loader (% of wall time), the mean ``get()`` call in us (and the median of those that found a
+batch ready: what a handover costs the loop), client CPU per sample (the training
 process plus the engine process; the server's separately), and the ratio's median over pairs.
 """
 
@@ -30,7 +31,7 @@ def spin(seconds: float) -> None:
 
 
 def run_once(url: str, engine: str, consumer: str, *, seconds: float, step: float, batch_size: int,
-             server_pid: int) -> dict:
+             server_pid: int, gil: float = 0.5) -> dict:
     from dataferry.client import Loader, Prefetch
     from dataferry.client._subprocess import ProcessLoader
 
@@ -41,8 +42,9 @@ def run_once(url: str, engine: str, consumer: str, *, seconds: float, step: floa
         next(it)  # the first batch: start-up (the child's spawn) is not timed
         c0, s0, t0 = cpu_seconds(exclude=exclude), process_cpu_s(server_pid), time.perf_counter()
         samples = batches = 0
-        get_s = 0.0
+        get_s, ready_us = 0.0, []
         while True:
+            ready = not loader._queue.empty()  # a batch is there: what get() itself costs the loop
             g = time.perf_counter()
             try:
                 b = next(it)
@@ -51,12 +53,14 @@ def run_once(url: str, engine: str, consumer: str, *, seconds: float, step: floa
                 continue
             now = time.perf_counter()
             get_s += now - g
+            if ready:
+                ready_us.append((now - g) * 1e6)
             samples += len(b)
             batches += 1
             del b
             if consumer == "gil":
-                spin(step / 2)
-                time.sleep(step / 2)
+                spin(step * gil)
+                time.sleep(step * (1 - gil))
             else:
                 time.sleep(step)
             if now - t0 >= seconds:
@@ -65,6 +69,7 @@ def run_once(url: str, engine: str, consumer: str, *, seconds: float, step: floa
         cpu = cpu_seconds(exclude=exclude) - c0
         srv = process_cpu_s(server_pid) - s0
     return {"rate": samples / wall, "wait": get_s / wall, "get_us": get_s / batches * 1e6,
+            "ready_us": statistics.median(ready_us) if ready_us else float("nan"),
             "cpu_us": cpu / samples * 1e6, "srv_us": srv / samples * 1e6, "samples": samples}
 
 
@@ -74,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rtts", default="0,100", help="round trips in ms (latency proxy)")
     p.add_argument("--consumers", default="gil,sleep")
     p.add_argument("--step-ms", type=float, default=10.0, help="training step per batch")
+    p.add_argument("--gil", type=float, default=0.5, help="the part of a gil consumer's step spent holding the GIL")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--seconds", type=float, default=6.0, help="timed seconds per run")
     p.add_argument("--pairs", type=int, default=3)
@@ -88,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 host, port = route(address)
                 url = f"http://{host}:{port}"
                 kw = dict(seconds=args.seconds, step=args.step_ms / 1e3, batch_size=args.batch_size,
-                          server_pid=address.pid)
+                          server_pid=address.pid, gil=args.gil)
                 run_once(url, "thread", "sleep", **(kw | {"seconds": 1.0}))  # warm the page cache and proxy
                 for consumer in args.consumers.split(","):
                     rows, ratios = [], []
@@ -99,11 +105,14 @@ def main(argv: list[str] | None = None) -> int:
                         for e in order:
                             r = got[e]
                             rows.append([str(i + 1), e, f"{r['rate']:,.0f}", f"{r['wait'] * 100:.0f}%",
-                                         f"{r['get_us']:.0f}", f"{r['cpu_us']:.0f}", f"{r['srv_us']:.0f}"])
-                    print(f"\n{rtt:g} ms RTT, consumer {consumer} (step {args.step_ms:g} ms, batch "
+                                         f"{r['get_us']:.0f}", f"{r['ready_us']:.0f}", f"{r['cpu_us']:.0f}",
+                                         f"{r['srv_us']:.0f}"])
+                    held = f", GIL held {args.gil:.0%}" if consumer == "gil" else ""
+                    print(f"\n{rtt:g} ms RTT, consumer {consumer} (step {args.step_ms:g} ms{held}, batch "
                           f"{args.batch_size}: at most {args.batch_size / args.step_ms * 1e3:,.0f}/s), "
                           f"{args.images} JPEGs, runs of {args.seconds:g} s:", flush=True)
-                    print(table(["pair", "engine", "samples/s", "loop waited", "get() us", "client CPU us/sample",
+                    print(table(["pair", "engine", "samples/s", "loop waited", "get() us", "ready get() us",
+                                 "client CPU us/sample",
                                  "server CPU us/sample"], rows), flush=True)
                     summary.append(f"{rtt:g} ms, {consumer}: process / in-process median "
                                    f"{statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f}, "

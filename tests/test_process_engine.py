@@ -11,10 +11,9 @@ import sys
 import textwrap
 import time
 
-import numpy as np
 import pytest
 
-from dataferry.client import Loader, MemorySource, PlanOptions, Prefetch
+from dataferry.client import MemorySource, PlanOptions, Prefetch
 from dataferry.client._subprocess import ProcessLoader, _Arena
 from dataferry.schema import (
     ConfigError, DataferryError, DatasetInfo, IdList, Sample, SampleMeta, SampleRecord, open_store, sample_id,
@@ -34,11 +33,12 @@ def url(tmp_path_factory) -> str:
 
     async def fill():
         async with await open_store(f"sqlite://{path}", create=True) as store:
-            rows = [SampleMeta(sample_id("d", f"{k}.jpg"), k % 5, f"{k}.jpg", "jpeg", 8, 8, len(_bytes(k)), "0" * 64, {})
-                    for k in range(N)]
+            rows = [SampleMeta(sample_id("d", f"{k}.jpg"), k % 5, f"{k}.jpg", "jpeg", 8, 8, len(_bytes(k)),
+                               "0" * 64, {}) for k in range(N)]
             recs = [SampleRecord(Sample(m.id, m.label, _bytes(k)), m) for k, m in enumerate(rows)]
             await store.put_samples("d", recs)
-            await store.put_dataset(DatasetInfo("d", ["a", "b", "c", "d", "e"], N, dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)))
+            when = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
+            await store.put_dataset(DatasetInfo("d", ["a", "b", "c", "d", "e"], N, when))
             await store.put_split("d", "all", IdList([m.id for m in rows], [m.label for m in rows]))
         return {m.id: _bytes(k) for k, m in enumerate(rows)}
 
