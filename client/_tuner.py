@@ -175,9 +175,9 @@ class Link:
     #: the smallest tuned window, and the smallest start (and the fewest requests a link-bound
     #: window is cut into)
     MIN_WINDOW, MIN_START = 2, 4
-    #: tuned, the least window over a short link (``link_round_trip`` under LINK_RTT_S): latency
-    #: there is the server at work, not a link's queue; waiting at a server costs memory, not rate
-    LOCAL_WINDOW = 8
+    #: tuned, the least window over a short link (``link_round_trip`` under SHORT_LINK_S; a loaded
+    #: machine's loopback reads 10-15 ms): latency there is the server at work, not a link's queue
+    LOCAL_WINDOW, SHORT_LINK_S = 8, 0.02
     #: the link is the limit (not the engine's CPU) when the round trip is at least LINK_RTT_S and
     #: the engine's thread was on CPU less than LINK_BOUND of it
     LINK_RTT_S, LINK_BOUND = 0.01, 0.5
@@ -306,7 +306,7 @@ class Link:
     def _floor(self) -> float:
         """The smallest tuned window: ``LOCAL_WINDOW`` over a short link, else ``MIN_WINDOW``."""
         rtt = self.link_round_trip()
-        return float(self.LOCAL_WINDOW if rtt is not None and rtt < self.LINK_RTT_S else self.MIN_WINDOW)
+        return float(self.LOCAL_WINDOW if rtt is not None and rtt < self.SHORT_LINK_S else self.MIN_WINDOW)
 
     def link_round_trip(self) -> float | None:
         """The link's round trip: the source's measure without the server's time (its Server-Timing
@@ -322,11 +322,9 @@ class Link:
     def rate_sample(self, now: float) -> None:
         """A request was answered at ``now``: sample the delivery rate over the last round trip.
 
-        The bytes answered over at least a round trip (and ``RATE_MIN_S``), not
-        per request as BBR does per packet: answers come in bursts (a loop
-        that was not scheduled for a few ms handles many at once), and a burst
-        over one request's latency would read as a rate the link never had.
-        """
+        The bytes answered over at least a round trip (and ``RATE_MIN_S``), not per request as BBR
+        does per packet: answers come in bursts (a loop not scheduled for a few ms handles many at
+        once), and a burst over one request's latency would read as a rate the link never had."""
         if not self.tuned:
             return
         marks = self._marks
@@ -393,9 +391,9 @@ class Link:
                 return
         rtt = self.link_round_trip()
         if (self.sizer is None or self.busy is None or self.busy > self.LINK_BOUND or self.request_size <= 1
-                or rtt is None or rtt < 2 * self.LINK_RTT_S or (self._link_rtt and self._link_rtt() is None)
+                or rtt is None or rtt < self.SHORT_LINK_S or (self._link_rtt and self._link_rtt() is None)
                 or self.request_size * self.mean_bytes < self.bandwidth * rtt):
-            return  # 20 ms: a loaded machine's loopback reads 10-15; wait for the source's evidence
+            return  # a short link; no evidence from the source yet; a request within a round trip
         fits = self.GAIN * self.bandwidth * rtt / (self.MIN_START * self.mean_bytes)
         size = self.request_size
         while size > 1 and size > fits:
@@ -534,6 +532,9 @@ class Link:
     def _why(self, target: float) -> str:
         if self.bandwidth is None or self.min_latency is None or not self.tuned or target >= self._cap():
             return f"the cap of {target:.0f} requests ({self._cap_reason()})"
+        if target <= self._floor() == self.LOCAL_WINDOW:
+            return (f"{target:.0f}, the least over a short link (round trip {self.link_round_trip() * 1e3:.1f} ms "
+                    f"without the server's time; requests take {self.min_latency * 1e3:.1f} ms: the server at work)")
         return (f"{target:.0f} = {self.GAIN:g} x {self.bandwidth / 1e6:,.1f} MB/s x {self.min_latency * 1e3:.1f} ms "
                 f"in requests of {self.request_size} ids x {self.mean_bytes / 1e3:,.0f} kB")
 
@@ -585,8 +586,7 @@ class Link:
         return True
 
     def failed(self) -> None:
-        floor = float(self.MIN_WINDOW if self.tuned else self.prefetch.initial_inflight or 2)
-        self.window = max(floor, self.window / 2)
+        self.window = max(float(self.MIN_WINDOW if self.tuned else self.prefetch.initial_inflight or 2), self.window / 2)
         self._note("failed", lambda: f"a request failed: window halved to {self.window:.0f}")
 
     def _note(self, kind: str, message: Callable[[], str]) -> None:
