@@ -172,3 +172,19 @@ def test_parent_killed_leaves_no_orphan(url):
     while not _shm() <= before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _shm() <= before
+
+
+def test_attribution_names_the_consumer(url):
+    """The child's figures feed the parent's intervals: a slow loop is named as the limit."""
+    with ProcessLoader(url, "d", batch_size=4, arena_bytes=1 << 20, log_interval=0.25) as ld:
+        it = iter(ld)
+        deadline = time.monotonic() + 20
+        while not (ld.intervals() and ld.intervals()[-1].limit == "consumer") and time.monotonic() < deadline:
+            try:
+                next(it)
+            except StopIteration:
+                it = iter(ld)
+            time.sleep(0.02)
+        ivs = ld.intervals()  # (the first ones: the child's start-up, the loop waiting)
+        assert ivs[-1].limit == "consumer", str(ivs[-1])
+        assert "limited by consumer" in str(ivs[-1]) and ld.stats().requests > 0
