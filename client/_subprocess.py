@@ -154,9 +154,16 @@ def _child_main(conn, shm_name: str, size: int, ppid: int) -> None:
     try:
         while True:
             while conn.poll(0 if it is not None else 0.2):
-                handle(conn.recv())
+                msg = conn.recv()
+                try:
+                    handle(msg)
+                except EOFError:
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - a state the child's loader refuses
+                    conn.send(("error", msg[1], _sendable(exc)))
+                    it = None
             now = time.monotonic()
-            if now - last_stats >= STATS_EVERY :
+            if now - last_stats >= STATS_EVERY:
                 conn.send(("counters", {f.name: getattr(counters, f.name) for f in fields(counters)}))
                 last_stats = now
             if it is None:
@@ -174,22 +181,28 @@ def _child_main(conn, shm_name: str, size: int, ppid: int) -> None:
                 conn.send(("error", gen, _sendable(exc)))
                 it = None
                 continue
-            restarted = False
-            off = arena.alloc(b.nbytes) if b.nbytes else -1
-            while off is None and not restarted:
-                restarted = handle(conn.recv())
-                off = arena.alloc(b.nbytes)
-            if restarted:
-                if off is not None and off >= 0:
-                    arena.free(off)
-                continue
-            lengths = np.fromiter((len(d) for d in b.data), np.int64, len(b.data))
-            pos = off
-            for d in b.data:
-                buf[pos:pos + len(d)] = d
-                pos += len(d)
-            conn.send(("batch", gen, off, b.nbytes, lengths, b.ids, b.labels, b.targets, b.epoch,
-                       b.positions, b.skipped))
+            try:
+                restarted = False
+                off = arena.alloc(b.nbytes) if b.nbytes else -1
+                while off is None and not restarted:
+                    restarted = handle(conn.recv())
+                    off = arena.alloc(b.nbytes)
+                if restarted:
+                    if off is not None and off >= 0:
+                        arena.free(off)
+                    continue
+                lengths = np.fromiter((len(d) for d in b.data), np.int64, len(b.data))
+                pos = off
+                for d in b.data:
+                    buf[pos:pos + len(d)] = d
+                    pos += len(d)
+                conn.send(("batch", gen, off, b.nbytes, lengths, b.ids, b.labels, b.targets, b.epoch,
+                           b.positions, b.skipped))
+            except (EOFError, OSError):
+                raise
+            except BaseException as exc:  # noqa: BLE001 - handed to the parent (a batch larger than the arena)
+                conn.send(("error", gen, _sendable(exc)))
+                it = None
     except (EOFError, OSError, BrokenPipeError):
         pass
     finally:

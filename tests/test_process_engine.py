@@ -188,3 +188,9 @@ def test_attribution_names_the_consumer(url):
         ivs = ld.intervals()  # (the first ones: the child's start-up, the loop waiting)
         assert ivs[-1].limit == "consumer", str(ivs[-1])
         assert "limited by consumer" in str(ivs[-1]) and ld.stats().requests > 0
+
+
+def test_batch_larger_than_arena_is_a_clear_error(url):
+    with ProcessLoader(url, "d", batch_size=N, arena_bytes=1 << 16) as ld:
+        with pytest.raises(ConfigError, match="does not fit the shared-memory arena"):
+            ld.get(timeout=60)
