@@ -2,13 +2,13 @@
 
 ``dataferry serve --workers 2`` on a SQLite store of synthetic JPEGs, behind the latency proxy
 at each round trip; a training loop that takes batches and runs a step of ``--step-ms``:
-``gil`` spins in pure Python for half of it (a model's Python overhead, holding the GIL) and
-sleeps the other half, ``sleep`` sleeps all of it (GPU work). For each (RTT, consumer) it runs
-alternated pairs of ``Loader`` (in-process) and ``ProcessLoader`` and prints per run: samples/s
-(total samples over the timed wall time, from the first batch on), the loop's wait on the
-loader (% of wall time), the mean ``get()`` call in us (and the median of those that found a
-batch ready: what a handover costs the loop), client CPU per sample (the training
-process plus the engine process; the server's separately), and the ratio's median over pairs.
+``gil`` runs a fixed amount of pure Python for half of it (a model's Python overhead, holding
+the GIL; longer when the GIL is shared), then sleeps the other half; ``sleep`` sleeps all of it
+(GPU work). For each (RTT, consumer): alternated pairs of ``Loader`` (in-process) and
+``ProcessLoader``; per run samples/s (total samples over the timed wall time, from the first
+batch on), the loop's wait on the loader (% of wall time), the mean ``get()`` in us (and the
+median of those that found a batch ready: a handover's cost to the loop), client CPU per sample
+(training plus engine process; the server's apart); the ratio's median over pairs.
 """
 
 from __future__ import annotations
@@ -21,13 +21,25 @@ import time
 from ._common import cpu_seconds, data_server, live_descendants, prepared_store, process_cpu_s, table
 
 
-def spin(seconds: float) -> None:
-    """Hold the GIL in pure Python for ``seconds``."""
-    end = time.perf_counter() + seconds
+def _work(n: int) -> int:
     x = 0
-    while time.perf_counter() < end:
-        for i in range(200):
-            x += i
+    for i in range(n):
+        x += i
+    return x
+
+
+_PER_S: list[float] = []
+
+
+def spin(seconds: float) -> None:
+    """Hold the GIL in pure Python for a fixed amount of work: what takes ``seconds`` alone (measured
+    once, single-threaded), so that sharing the GIL with the engine makes the step longer, as it
+    makes a model's Python longer (a spin until a deadline would hide that)."""
+    if not _PER_S:
+        t = time.perf_counter()
+        _work(2_000_000)
+        _PER_S.append(2_000_000 / (time.perf_counter() - t))
+    _work(int(seconds * _PER_S[0]))
 
 
 def run_once(url: str, engine: str, consumer: str, *, seconds: float, step: float, batch_size: int,
@@ -87,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from ._links import Condition, ProxyLink
 
     summary = []
+    spin(0.01)  # calibrate before any other thread runs
     with prepared_store("sqlite", args.images) as (store_url, _, _), \
             data_server(store_url, args=("--workers", "2")) as address:
         for rtt in [float(x) for x in args.rtts.split(",")]:
