@@ -272,6 +272,9 @@ def _arguments() -> argparse.ArgumentParser:
     e2e.add_argument("--prefetch", action="append", metavar="default|KEY=VALUE,...",
                      help="a Prefetch setting to measure (repeatable; alternated at each RTT): default, or e.g. "
                           "max_bytes=2GiB,request_size=64")
+    e2e.add_argument("--engines", default="thread", metavar="thread,process",
+                     help="the Loader's engine in this process (thread) and/or in its own (process: "
+                          "ProcessLoader), alternated at each RTT (default thread)")
     e2e.add_argument("--profile-rtt", type=float, default=None, metavar="MS",
                      help="one more DALI run at this RTT under a sampling profiler of every Python thread "
                           "(gpu_e2e_profile.txt; not in the table)")

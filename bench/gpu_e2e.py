@@ -52,6 +52,7 @@ class E2EOptions:
     server_workers: int | None = None  # `dataferry serve --workers` (None: its default, the usable cores)
     profile_rtt: float | None = None  # one more DALI run at this RTT under the sampling profiler (not in the table)
     prefetch: tuple[str, ...] = ("default",)  # Prefetch settings ("max_bytes=2GiB,request_size=64"), alternated per RTT
+    engines: tuple[str, ...] = ("thread",)  # thread: Loader (engine in-process); process: ProcessLoader; alternated
 
     def prefetches(self) -> list:
         """``(label, Prefetch)`` of each ``prefetch`` setting."""
@@ -65,6 +66,8 @@ class E2EOptions:
         if self.jpeg2000_images < 0 or (self.server_workers is not None and self.server_workers < 1):
             raise ValueError("--jpeg2000-images must be >= 0 and --server-workers >= 1")
         self.prefetches()  # each setting parses
+        if not self.engines or set(self.engines) - {"thread", "process"}:
+            raise ValueError(f"--engines takes thread and/or process, not {','.join(self.engines)!r}")
         if not self.rtts_ms or any(not (math.isfinite(r) and r >= 0) for r in self.rtts_ms):
             raise ValueError(f"--rtts must be round trips in ms >= 0, not {self.rtts_ms!r}")
 
@@ -80,7 +83,8 @@ class E2EOptions:
                    min_psnr=args.min_psnr, out=args.out,
                    iterators=tuple(i.strip() for i in args.iterators.split(",") if i.strip()),
                    jpeg2000_images=args.jpeg2000_images, server_workers=args.server_workers,
-                   profile_rtt=args.profile_rtt, prefetch=tuple(args.prefetch or ("default",)))
+                   profile_rtt=args.profile_rtt, prefetch=tuple(args.prefetch or ("default",)),
+                   engines=tuple(e.strip() for e in args.engines.split(",") if e.strip()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,9 +217,10 @@ def _iterator(kind: str, loader, options, device: str, device_id: int | None):
 
 def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: str, device_id: int | None,
                 options, opts: E2EOptions, server_pid: int, ceiling: float, *, kind: str = "dali",
-                codec: str = "jpeg", prefetch=("default", None)) -> RttResult:
-    """``opts.epochs`` epochs of Loader (HTTP, through the proxy) → ``kind``'s iterator → tensors on ``device``."""
-    from dataferry.client import Loader
+                codec: str = "jpeg", prefetch=("default", None), engine: str = "thread") -> RttResult:
+    """``opts.epochs`` epochs of Loader (HTTP, through the proxy) → ``kind``'s iterator → tensors on ``device``;
+    ``engine="process"``: ProcessLoader, whose engine process's CPU joins the client's."""
+    from dataferry.client import Loader, ProcessLoader
 
     sync = _synchronizer(device, device_id)
     counts, ends = [], []
@@ -223,7 +228,8 @@ def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: s
     c0, s0, th0 = time.process_time(), process_cpu_s(server_pid), thread_cpu()
     t0 = time.perf_counter()
     label_p, setting = prefetch
-    with Loader(link_url, DATASET, batch_size=opts.batch, **({} if setting is None else {"prefetch": setting})) as loader:
+    make = ProcessLoader if engine == "process" else Loader
+    with make(link_url, DATASET, batch_size=opts.batch, **({} if setting is None else {"prefetch": setting})) as loader:
         it, to_device = _iterator(kind, loader, options, device, device_id)
         with it:
             for epoch in range(opts.epochs):
@@ -243,9 +249,12 @@ def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: s
                                        f"({len(seen)} distinct) of {images}")
                 counts.append(n)
             client_cpu, server_cpu = time.process_time() - c0, process_cpu_s(server_pid) - s0
+            if engine == "process":  # the engine process's CPU since its spawn (its imports included)
+                client_cpu += process_cpu_s(loader.engine_pid)
             threads = tuple(cpu_by_thread(th0, thread_cpu()))
         stats = loader.stats().as_dict()
-    path = f"{kind} {codec}" + ("" if label_p == "default" else f" [{label_p}]")
+    path = f"{kind} {codec}" + ("" if label_p == "default" else f" [{label_p}]") + \
+        ("" if engine == "thread" else " [process]")
     return RttResult(rtt_ms, path, label, sum(counts), tuple(counts), ends[-1] - t0, ends[0] - t0,
                      first, client_cpu, server_cpu, ceiling, stats, threads)
 
@@ -330,8 +339,10 @@ def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, co
                               f"http://{host}:{port} ...", flush=True)
                         for kind in kinds:
                             for prefetch in opts.prefetches():  # alternated, on the same server and link
-                                done(measure_rtt(f"http://{phost}:{pport}", n, rtt, label, device, device_id, options,
-                                                 opts, pid, ceil, kind=kind, codec=codec, prefetch=prefetch))
+                                for engine in opts.engines:
+                                    done(measure_rtt(f"http://{phost}:{pport}", n, rtt, label, device, device_id,
+                                                     options, opts, pid, ceil, kind=kind, codec=codec,
+                                                     prefetch=prefetch, engine=engine))
                         if codec == "jpeg" and rtt == opts.profile_rtt:
                             with Sampler() as sampler:
                                 profiled = measure_rtt(f"http://{phost}:{pport}", n, rtt, label, device, device_id,

@@ -146,15 +146,20 @@ def test_e2e_runs_to_the_end_with_every_column_for_every_rtt(tmp_path, capsys):
     assert "| rtt ms |" in md and "steady / ceiling" in md and doc["command"] in md
 
 
-def test_e2e_jpeg2000_rows_and_the_profile(tmp_path, capsys):
+def test_e2e_jpeg2000_rows_the_process_engine_and_the_profile(tmp_path, capsys):
     args = ["--e2e", "--images", "32", "--epochs", "2", "--rtts", "0", "--iterators", "dali",
-            "--jpeg2000-images", "16", "--profile-rtt", "0", "--server-workers", "1", "--out", str(tmp_path)]
+            "--jpeg2000-images", "16", "--profile-rtt", "0", "--server-workers", "1", "--engines", "thread,process",
+            "--out", str(tmp_path)]
     assert gpu_check.main(args + ([] if GPU else ["--allow-cpu"])) == 0
     out = capsys.readouterr().out
     assert re.search(r"16 of the JPEGs as lossless JPEG 2000 .*decode ceiling from memory: [\d,]+ images/s", out)
-    assert [r[:2] for r in _table(out)] == [["0", "dali jpeg"], ["0", "dali jpeg2000"]]
-    j2k = json.loads((tmp_path / "gpu_e2e.json").read_text())["rows"][1]
-    assert j2k["epoch_images"] == [16, 16] and j2k["ceiling"] > 0
+    assert [r[:2] for r in _table(out)] == [["0", "dali jpeg"], ["0", "dali jpeg [process]"],
+                                            ["0", "dali jpeg2000"], ["0", "dali jpeg2000 [process]"]]
+    rows = json.loads((tmp_path / "gpu_e2e.json").read_text())["rows"]
+    assert [r["epoch_images"] for r in rows] == [[32, 32], [32, 32], [16, 16], [16, 16]]
+    assert rows[2]["ceiling"] > 0
+    # the engine process's CPU joins the client's: its spawn and imports alone cost more than the thread's row
+    assert rows[1]["client_cpu_s"] > rows[0]["client_cpu_s"]
     profile = (tmp_path / "gpu_e2e_profile.txt").read_text()
     assert "## thread dataferry-engine" in profile and "## thread MainThread" in profile
 
@@ -163,6 +168,9 @@ def test_e2e_unknown_iterator_is_named(capsys):
     with pytest.raises(SystemExit) as info:
         gpu_check.main(["--e2e", "--allow-cpu", "--iterators", "dali,jax"])
     assert info.value.code == 2 and "--iterators" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        gpu_check.main(["--e2e", "--allow-cpu", "--engines", "thread,fork"])
+    assert info.value.code == 2 and "--engines" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU visible to DALI and torch")
