@@ -248,9 +248,18 @@ def test_one_outlier_sample_does_not_shrink_the_window_for_long():
     2 KB ones would otherwise reserve 4 MB an id for thousands of samples (a window of one request)."""
     samples = [Sample(i, 0, bytes(4 << 20) if i == 100 else bytes(2000)) for i in range(3000)]
     with Loader(MemorySource("d", samples), "d", batch_size=64, prefetch=Prefetch(max_bytes=64 << 20)) as loader:
-        got = sum(len(b) for b in loader)
         link = loader._link
+        got, high, reserves = 0, 0.0, []
+        # read per batch: the figures move with the engine, whose look-ahead into the next epoch may
+        # meet the outlier again just before a read at the end
+        for b in loader:
+            got += len(b)
+            high = max(high, link.high_bytes)
+            reserve, mean = link.reserve_bytes, link.mean_bytes
+            assert reserve <= Link.RESERVE_CAP * mean + 1e-6
+            reserves.append(reserve)
         assert got == 3000
-        assert link.high_bytes > 1 << 20  # the outlier was seen
-        assert link.reserve_bytes <= Link.RESERVE_CAP * link.mean_bytes < 64_000
+        assert high > 1 << 20  # the outlier was seen
+        # a reservation of 64 KB or more (~3x a mean the outlier lifted) for a few batches, not for long
+        assert sum(r >= 64_000 for r in reserves) <= 5, reserves
         assert loader.stats().peak_bytes <= 64 << 20
