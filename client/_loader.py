@@ -276,13 +276,19 @@ class Loader:
             self._lt.loop.call_soon_threadsafe(task.cancel)
         self._run = None
 
-    def _start_run(self) -> None:
+    def _begin_run(self) -> EpochPlan:
+        """Before a run starts (here or in an engine process): the loader is open, the last run
+        stopped, the delivered set sized to this epoch's plan; that plan."""
         if self._closed:
             raise DataferryError("loader is closed")
         self._stop_run()
         plan = self._plan_for(self.epoch)
         if self._delivered is None or self._delivered.n != len(plan):
             self._delivered = DoneSet(len(plan))
+        return plan
+
+    def _start_run(self) -> None:
+        plan = self._begin_run()
         gen = self._gen
         q = self._queue
 

@@ -30,7 +30,6 @@ import numpy as np
 
 from dataferry.schema import ConfigError, DataferryError
 
-from ._doneset import DoneSet
 from ._loader import Loader, _Failed
 from ._options import PlanOptions
 from ._types import Batch, EndOfEpoch
@@ -373,12 +372,7 @@ class ProcessLoader(Loader):
         return None if self._child is None else self._child[1].pid
 
     def _start_run(self) -> None:
-        if self._closed:
-            raise DataferryError("loader is closed")
-        self._stop_run()
-        plan = self._plan_for(self.epoch)
-        if self._delivered is None or self._delivered.n != len(plan):
-            self._delivered = DoneSet(len(plan))
+        self._begin_run()
         self._ensure_child()
         link = self._child[0]
         link.gen = self._gen
