@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import fcntl
 import logging
 import math
 import random
 import socket
 import struct
+import termios
 import threading
 import time
 import weakref
@@ -264,6 +266,8 @@ class _Pipe:
         self._next_free = 0.0
         self.dead = False  # the destination is gone: drop what comes
         self.done = False  # end of stream delivered
+        self.last_in = 0.0  # when the source's last bytes came (monotonic; 0: none yet)
+        self.last_out = 0.0  # when bytes were last written to the destination
 
     def start(self) -> None:
         """The destination is connected: deliver what waited for it."""
@@ -304,12 +308,14 @@ class _Pipe:
     def feed(self, data: bytes) -> None:
         if self.dead:
             return
+        self.last_in = time.monotonic()
         if self._direct and self._started and not self._queue:
             transport = self._dst.transport
             if transport.is_closing():  # lost; connection_lost is on its way
                 self.kill()
                 return
             transport.write(data)  # may call pause_writing
+            self.last_out = self.last_in
             self._delivered(len(data))
             return
         size = len(data)
@@ -354,6 +360,7 @@ class _Pipe:
             self.held -= len(data)
             written += len(data)
         if written:
+            self.last_out = now
             self._counters.buffered -= written
             self._delivered(written)
             if self._window is not None:
@@ -397,6 +404,15 @@ class _Pipe:
         if not blocked and self._timer is None and self._queue and not self.dead:
             self._timer = self._conn.loop.call_soon(self._flush)
 
+    def describe(self) -> str:
+        """This direction's state, for the stall log."""
+        flags = [name for name, on in (("started", self._started), ("source paused", self._paused),
+                                       ("destination full", self._blocked), ("timer armed", self._timer is not None),
+                                       ("ack timer armed", self._ack_timer is not None), ("dead", self.dead),
+                                       ("ended", self.done)) if on]
+        unacked = "" if self._window is None else f", unacked {self._unacked} B of window {self._window} B"
+        return f"holds {self.held} B in {len(self._queue)} chunks{unacked}; {', '.join(flags) or 'idle'}"
+
     def kill(self) -> None:
         """The destination is gone: drop what is held and what comes."""
         if self.dead:
@@ -431,6 +447,8 @@ class _Connection:
         self.connecting: asyncio.Task | None = None
         self._closing = False
         self._registered = False
+        self.accepted = 0.0
+        self._reported = 0.0  # the client's last byte (``up.last_in``) a stall was logged for; 0: none
 
     def side_made(self, side: _Side) -> None:
         if self._closing or self.proxy._closed:
@@ -444,7 +462,7 @@ class _Connection:
         self.counters.connections += 1
         self.counters.active += 1
         handshake = self.link.delay if self.link.handshake else 0.0
-        accepted = time.monotonic()
+        accepted = self.accepted = time.monotonic()
         # a fresh connection: SYN, SYN-ACK, then the client's data (3 one-way
         # delays); the upstream's first bytes follow its SYN-ACK (2)
         up = _Pipe(self, self.client, self.upstream, upward=True, not_before=accepted + 3 * handshake)
@@ -499,6 +517,43 @@ class _Connection:
             if not side.lost:
                 _reset(side.transport)
 
+    def check_stall(self, now: float, after: float) -> None:
+        """Log (INFO) once when the client's last bytes are ``after`` seconds old and no byte came
+        back from upstream since, saying where the request is: still connecting upstream, held
+        here, or sent upstream (the server's, or its kernel's, send and receive queues); log
+        again when the answer finally begins."""
+        if not self._registered or self._closing:
+            return
+        up, down = self.client.out, self.upstream.out
+        asked = up.last_in
+        if self._reported and down.last_in > self._reported:
+            logger.info("latency proxy: %s: the answer began %.1f s after the request's last byte",
+                        self._name(), down.last_in - self._reported)
+            self._reported = 0.0
+        if not asked or down.last_in >= asked or now - asked < after or self._reported == asked:
+            return
+        self._reported = asked
+        if self.connecting is not None and not self.connecting.done():
+            where = f"the upstream connection is not made yet ({now - self.accepted:.1f} s after accept)"
+        elif up.held or up.last_out < asked:
+            where = "the request is held here"
+        else:
+            where = (f"the request went upstream {now - up.last_out:.1f} s ago and no byte came back "
+                     f"(unsent in our upstream socket: {_queued(self.upstream.transport, termios.TIOCOUTQ)} B)")
+        logger.info(
+            "latency proxy: %s: no answer %.1f s after the request's last byte: %s; "
+            "client->upstream %s (last written %s); upstream->client %s (last read %s); "
+            "unread in our client socket: %s B",
+            self._name(), now - asked, where, up.describe(), _ago(now, up.last_out), down.describe(),
+            _ago(now, down.last_in), _queued(self.client.transport, termios.FIONREAD),
+        )
+
+    def _name(self) -> str:
+        """``connection from CLIENT via LOCAL -> UPSTREAM``: the client's port, and ours on the upstream side."""
+        peer = _address(self.client.transport, "peername")
+        local = _address(self.upstream.transport, "sockname")
+        return f"connection from {peer} via {local} -> {format_address(self.proxy.upstream)}"
+
     def _maybe_finish(self) -> None:
         if self.finished.done() or not self.client.lost:
             return
@@ -520,13 +575,20 @@ class LatencyProxy:
     ``async with LatencyProxy(("127.0.0.1", 9042), LinkOptions(delay=0.05)) as p:``
     then connect to ``p.address``. Each accepted connection opens one upstream
     connection. An upstream that cannot be reached closes the client connection
-    with a reset, is logged, and the proxy keeps serving.
+    with a reset, is logged, and the proxy keeps serving. ``stall_log``: log
+    (INFO) each connection whose request has had no byte back for that many
+    seconds, and where the request is (``_Connection.check_stall``); None: off.
     """
 
-    def __init__(self, upstream: Address, link: LinkOptions = LinkOptions(), listen: Address = ("127.0.0.1", 0)) -> None:
+    def __init__(self, upstream: Address, link: LinkOptions = LinkOptions(), listen: Address = ("127.0.0.1", 0),
+                 *, stall_log: float | None = None) -> None:
+        _check(stall_log is None or (isinstance(stall_log, (int, float)) and math.isfinite(stall_log) and stall_log > 0),
+               f"stall_log must be a positive number of seconds or None, not {stall_log!r}")
         self.upstream = (upstream[0], int(upstream[1]))
         self.link = link
         self._listen = (listen[0], int(listen[1]))
+        self._stall_log = stall_log
+        self._watch: asyncio.TimerHandle | None = None
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[_Connection] = set()
         self._counters = _Counters()
@@ -547,13 +609,26 @@ class LatencyProxy:
         except OSError as exc:
             raise OSError(exc.errno, f"latency proxy cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
         self.address = self._server.sockets[0].getsockname()[:2]
+        if self._stall_log is not None:
+            self._watch = loop.call_later(self._stall_log / 4, self._check_stalls)
         return self
+
+    def _check_stalls(self) -> None:
+        now = time.monotonic()
+        for conn in list(self._conns):
+            try:
+                conn.check_stall(now, self._stall_log)
+            except Exception:  # noqa: BLE001 - a diagnostic never stops the proxy
+                logger.exception("latency proxy: the stall check failed")
+        self._watch = asyncio.get_running_loop().call_later(self._stall_log / 4, self._check_stalls)
 
     async def close(self) -> None:
         """Stop listening and reset every open connection. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
+        if self._watch is not None:
+            self._watch.cancel()
         if self._server is not None:
             self._server.close()
         conns = list(self._conns)
@@ -592,8 +667,9 @@ class ProxyThread:
     runs when the object is collected or the interpreter exits.
     """
 
-    def __init__(self, upstream: Address, link: LinkOptions = LinkOptions(), listen: Address = ("127.0.0.1", 0)) -> None:
-        self._proxy = LatencyProxy(upstream, link, listen)
+    def __init__(self, upstream: Address, link: LinkOptions = LinkOptions(), listen: Address = ("127.0.0.1", 0),
+                 *, stall_log: float | None = None) -> None:
+        self._proxy = LatencyProxy(upstream, link, listen, stall_log=stall_log)
         self._finalizer: weakref.finalize | None = None
 
     @property
@@ -635,6 +711,24 @@ def format_address(address: Address) -> str:
     """``host:port``, or ``[v6 host]:port``."""
     host, port = address[0], address[1]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _address(transport: asyncio.BaseTransport | None, which: str) -> str:
+    address = transport.get_extra_info(which) if transport is not None else None
+    return format_address(address) if address else "?"
+
+
+def _ago(now: float, when: float) -> str:
+    return f"{now - when:.1f} s ago" if when else "never"
+
+
+def _queued(transport: asyncio.BaseTransport | None, request: int) -> int | str:
+    """Bytes in a socket's kernel queue (``TIOCOUTQ``: not yet sent; ``FIONREAD``: not yet read), or ``?``."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), request, b"\0\0\0\0"))[0]
+    except (AttributeError, OSError, ValueError):
+        return "?"
 
 
 def _format_seconds(value: float) -> str:

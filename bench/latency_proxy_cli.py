@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
+import sys
 
 from dataferry.schema import ConfigError
 
@@ -22,13 +24,13 @@ from ._latency_proxy import Address, LatencyProxy, LinkOptions, format_address
 __all__ = ["serve_proxy", "add_cli_arguments", "cli"]
 
 
-async def serve_proxy(listen: Address, upstream: Address, link: LinkOptions) -> None:
+async def serve_proxy(listen: Address, upstream: Address, link: LinkOptions, *, stall_log: float | None = None) -> None:
     """Run a proxy until cancelled, SIGINT or SIGTERM.
 
     Prints ``latency proxy listening on HOST:PORT -> upstream HOST:PORT (...)``
     once it is bound, so a caller that asked for port 0 can read the port.
     """
-    async with LatencyProxy(upstream, link, listen) as proxy:
+    async with LatencyProxy(upstream, link, listen, stall_log=stall_log) as proxy:
         host, port = proxy.address
         print(
             f"latency proxy listening on {format_address((host, port))} -> upstream "
@@ -86,6 +88,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the kernel's net.ipv4.tcp_rmem maximum; 'none': unlimited)")
     parser.add_argument("--no-handshake", action="store_true",
                         help="do not charge a fresh connection the TCP handshake's round trip")
+    parser.add_argument("--stall-log", default="10s", metavar="DURATION",
+                        help="log (stderr) each connection whose request has had no byte back for this long, "
+                             "and where the request is; 0: off (default: %(default)s)")
 
 
 def cli(args: argparse.Namespace) -> int:
@@ -103,9 +108,13 @@ def cli(args: argparse.Namespace) -> int:
         handshake=not args.no_handshake,
         **({} if args.window is None else {"window": _parse_window(args.window)}),
     )
+    stall_log = parse_duration(args.stall_log) or None
+    if stall_log is not None and not logging.getLogger().handlers:  # the stall lines go to stderr, with our pid
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s latency-proxy[%(process)d]: %(message)s")
     loop = new_event_loop()
     try:
-        loop.run_until_complete(serve_proxy(listen, upstream, link))
+        loop.run_until_complete(serve_proxy(listen, upstream, link, stall_log=stall_log))
     except OSError as exc:
         raise ConfigError(str(exc)) from exc
     finally:

@@ -400,6 +400,17 @@ class Connection(asyncio.BufferedProtocol):
         if self.error is not None:
             raise self.error
 
+    def describe_wait(self, now: float) -> str:
+        """Where this connection's exchange stands, for a log line: its local port, the answer's progress."""
+        sock = self._transport.get_extra_info("sockname") if self._transport is not None else None
+        port = f"local port {sock[1]}" if sock else "no socket"
+        if not self.got_bytes:
+            return f"{port}, no byte of the answer" + (" (closed)" if self.closed else "")
+        state = "head only" if self.head is None else f"status {self.head.status}"
+        paused = "; reading paused by the consumer" if self._paused else ""
+        ended = "; the body ended" if self.complete else ""
+        return f"{port}, {state}, last byte {now - self._activity:.1f} s before{paused}{ended}"
+
     def close(self) -> None:
         self._cancel_timer()
         self.closed = True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import socket
 import ssl
 import time
@@ -20,6 +21,8 @@ from ._connection import _IDLE, Connection, NotHttp, Unreachable
 
 __all__ = ["Pool", "KEEPALIVE"]
 
+log = logging.getLogger("dataferry.client")
+
 #: TCP keepalive on every socket, where the platform has the option: (idle seconds before
 #: the first probe, seconds between probes, probes lost before the kernel ends the connection)
 KEEPALIVE = (10, 5, 3)
@@ -29,6 +32,8 @@ STALE_AFTER = 1.0
 FIRST_BYTES = 64
 #: the first-byte deadline is at least this many times the slowest first byte remembered
 FIRST_BYTE_FACTOR = 4.0
+#: an exchange cancelled (or timed out) after this many seconds is logged with where it was held
+STALL_LOG = 10.0
 
 
 class Pool:
@@ -44,6 +49,7 @@ class Pool:
         self._connect_timeout, self._read_timeout, self._keepalive = connect_timeout, read_timeout, keepalive
         self._first_byte = first_byte_timeout
         self._slots = asyncio.Semaphore(connections)
+        self._slots_total = connections
         self._idle: list[Connection] = []
         self._open: set[Connection] = set()  # idle or in use: all are closed with the pool
         #: seconds from a request sent to its answer's first byte, the last FIRST_BYTES answers
@@ -64,9 +70,17 @@ class Pool:
         the pool only when the answer was read to its end without error.
         ``holds``: seconds the server may hold this answer on purpose (a
         long poll), added to the first-byte deadline."""
-        await self._slots.acquire()
+        begun = time.monotonic()
+        try:
+            await self._slots.acquire()
+        except asyncio.CancelledError:
+            if time.monotonic() - begun >= STALL_LOG:
+                self._log_stall(begun, "waiting for one of the pool's connections", None, False, None)
+            raise
         conn: Connection | None = None
-        reusable = False
+        reused = reusable = False
+        sent: float | None = None
+        where = "opening a connection"
         try:
             fresh = False
             for attempt in range(2):
@@ -74,7 +88,9 @@ class Pool:
                 reused = conn is not None
                 idled = time.monotonic() - conn.last_used if reused else 0.0
                 if conn is None:
+                    where, sent = "opening a connection", None
                     conn = await self._connect()
+                where = "sent"
                 sent = time.monotonic()
                 conn.send(request, expect, on_200, pause_above)
                 try:
@@ -102,6 +118,10 @@ class Pool:
                 self._first_bytes.append(time.monotonic() - sent)
             yield conn
             reusable = conn.complete and conn.error is None and conn.keep_alive and not conn.closed
+        except (asyncio.CancelledError, TimeoutError):
+            if time.monotonic() - begun >= STALL_LOG:
+                self._log_stall(begun, where, conn, reused, sent)
+            raise
         finally:
             if conn is not None:
                 conn._consumer = conn._on_200 = conn._view = None  # an idle connection keeps no decoder (nor its arena)
@@ -112,6 +132,17 @@ class Pool:
                 else:
                     conn.close()
             self._slots.release()
+
+    def _log_stall(self, begun: float, where: str, conn: Connection | None, reused: bool, sent: float | None) -> None:
+        """WARNING: an exchange given up after ``STALL_LOG`` s or more, and where it was held (waiting for a
+        slot, connecting, sent with no byte back, or mid-answer), naming the connection's local port so
+        a proxy's or server's log can be matched to it."""
+        now = time.monotonic()
+        if conn is not None and sent is not None:
+            kind = f"a reused connection (idle {sent - conn.last_used:.1f} s before)" if reused else "a new connection"
+            where = f"{where} {now - sent:.1f} s before on {kind}: {conn.describe_wait(now)}"
+        log.warning("request to %s:%d given up after %.1f s: %s (%d of %d connections in use)", self.host, self.port,
+                    now - begun, where, len(self._open) - len(self._idle), self._slots_total)
 
     @staticmethod
     async def _first_byte_within(conn: Connection, deadline: float) -> bool:
