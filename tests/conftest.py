@@ -19,9 +19,13 @@ failure.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
+import json
 import os
+import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -93,3 +97,72 @@ _counter = itertools.count()
 def dataset_name() -> str:
     """A dataset name unique within the session (stores may be shared)."""
     return f"ds{next(_counter)}_{uuid.uuid4().hex[:8]}"
+
+
+# --- two workers, on request: ``pytest -n 2`` (pytest-xdist, in the dev extra) ---------------------
+# Every test that runs Cassandra goes to one worker, as one unit in file order: the session's node
+# and the 3-node cluster start once, never twice side by side on the same two cores; each other
+# test file is a unit of its own (its module fixtures set up once), the largest units first.
+# xdist's own ``--dist loadgroup`` cannot do it here: it renames a test by ``item._nodeid``, which
+# pytest 9.2 no longer reads, so the groups are passed by a file: each worker writes the ids of the
+# Cassandra tests it collected, the controller's scheduler reads them (the workers' collections
+# are identical, and complete, before it schedules anything).
+# Not the default: the whole suite took 581-657 s this way against 973-1,151 s in one process (2
+# cores, 2026-11-27), but each of two runs had two tests red that pass alone or in one process
+# (timing bounds written for one process beside the JVMs, and an Unavailable that the driver
+# reported as "no host" under load); the README's command runs one process.
+
+#: fixtures that start or use a Cassandra JVM
+_CASSANDRA_FIXTURES = frozenset({"dev_cassandra", "cassandra_server", "cassandra_url", "cluster", "nodes"})
+_GROUPS = "dataferry_cassandra_tests"
+
+
+def _uses_cassandra(item) -> bool:
+    return (item.get_closest_marker("cassandra") is not None
+            or bool(set(getattr(item, "fixturenames", ())) & _CASSANDRA_FIXTURES)
+            or "DevCassandra" in getattr(getattr(item, "module", None), "__dict__", {}))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """The controller: where the workers write the Cassandra tests' ids."""
+    config = node.config
+    path = getattr(config, "_dataferry_groups", None)
+    if path is None:
+        folder = tempfile.mkdtemp(prefix="dataferry-xdist-")
+        path = config._dataferry_groups = str(Path(folder) / "cassandra.json")
+        config.add_cleanup(lambda: (Path(path).unlink(missing_ok=True), os.rmdir(folder)))
+    node.workerinput[_GROUPS] = path
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    # schemathesis names its items ``test_fuzz[GET /v1/datasets]`` after pytest 9.2 made their ids
+    # (all ``test_fuzz``): xdist's scheduler keys tests by id, so the name goes into the id
+    counts = collections.Counter(item.nodeid for item in items)
+    for item in items:
+        if counts[item.nodeid] > 1 and not item.nodeid.endswith(item.name) and hasattr(item, "_id"):
+            item._id = item.parent.id.child(item.name)
+    path = getattr(config, "workerinput", {}).get(_GROUPS)
+    if path is None:
+        return
+    ids = [item.nodeid for item in items if _uses_cassandra(item)]
+    tmp = f"{path}.{os.getpid()}"
+    Path(tmp).write_text(json.dumps(ids))
+    os.replace(tmp, path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class CassandraTogether(LoadScopeScheduling):
+        """Scopes: ``cassandra`` for the tests the workers named, else the test's file."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            names = getattr(self, "_cassandra", None)
+            if names is None:
+                names = self._cassandra = frozenset(json.loads(Path(config._dataferry_groups).read_text()))
+            return "cassandra" if nodeid in names else nodeid.split("::", 1)[0]
+
+    return CassandraTogether(config, log)

@@ -385,7 +385,7 @@ def test_the_service_over_the_cluster_behind_a_100_ms_link_survives_a_node_kille
             with Loader(target, "d", batch_size=32, prefetch=Prefetch(max_bytes=BUDGET)) as loader:
                 bouncer = threading.Thread(target=bounce)
                 bouncer.start()
-                epochs = stream_until(loader, digest, done)
+                epochs = stream_until(loader, digest, done, min_epochs=1)
                 bouncer.join()
     finally:
         server.kill()
