@@ -466,6 +466,10 @@ class Run(Recovery):
             hedge_of.twin = req
             self.c.hedges += 1
             self._nhedge += 1
+            moved = min(reserved, hedge_of.reserved)  # the straggler's reservation funds its hedge
+            hedge_of.reserved -= moved
+            self._reserved -= moved
+            hedge_of.epoch.reserved -= moved
         else:
             self._nreq += 1
             req.sent_with = self._nreq

@@ -152,7 +152,12 @@ class Recovery:
             ep = req.epoch
             rest = [p for p in req.all_positions() if p not in ep.completed]
             req.deadline = _INF
-            if rest and self._budget_allows(int(len(rest) * self.link.reserve_bytes), ep):
+            # the hedge takes over what the straggler still holds for these samples (only one answer
+            # per sample is kept); the budget is asked only for more than that. Asking it for the whole
+            # hedge refused the hedges of a frozen Cassandra replica's stragglers once they had filled
+            # the budget, and the loop waited one request timeout (deploy/OPERATIONS.md)
+            extra = int(len(rest) * self.link.reserve_bytes) - req.reserved
+            if rest and (extra <= 0 or self._budget_allows(extra, ep)):
                 self._start(ep, rest, req.attempt, now, hedge_of=req)
                 hedges += 1
         return _INF

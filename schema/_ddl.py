@@ -9,8 +9,10 @@ form of Cassandra 3.0+ (``{'enabled': 'false'}``); a server that refuses it
 (ScyllaDB, which reports release 3.0.8) is asked again with the older form
 (``{'sstable_compression': ''}``). An ``ALTER TABLE ... ADD`` of a column
 that exists already (a table created with it) counts as done, so a keyspace
-made by an older release gets the columns added since. It works with a node down: the DDL and the
-schema agreement that follows it involve the nodes that are up.
+made by an older release gets the columns added since; an ``ALTER TABLE ... WITH`` (a table option
+added since, as ``speculative_retry``) runs only on a table that existed before this run (one
+created now has the option already). It works with a node down: the DDL and the schema agreement
+that follows it involve the nodes that are up.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def schema_statements(opts: CassandraOptions, *, legacy_compression: bool = Fals
 
 
 _ADD_COLUMN = re.compile(r"\s*ALTER\s+TABLE\s+\S+\s+ADD\s", re.IGNORECASE)
+_CREATE_TABLE = re.compile(r"\s*CREATE\s+TABLE\s+(\S+)\s*\(", re.IGNORECASE)
+_ALTER_OPTIONS = re.compile(r"\s*ALTER\s+TABLE\s+(\S+)\s+WITH\s", re.IGNORECASE)
 #: how Cassandra 2.2-5.0 and ScyllaDB refuse to add a column that exists
 _EXISTING_COLUMN = re.compile(r"conflicts with an existing column|already exist", re.IGNORECASE)
 
@@ -67,16 +71,25 @@ def _swap_compression(stmt: str) -> str | None:
     return None
 
 
-def _execute(session, stmt: str) -> str:
+def _execute(session, stmt: str, created: set[str] | None = None) -> str:
     """Run one DDL statement; return the form that ran. AlreadyExists counts as done.
 
     A rejected compression map is retried in the other syntax; if that fails
-    too, the first error is raised.
+    too, the first error is raised. ``created``: the tables made by this run (a
+    ``CREATE TABLE`` that ran is added to it; an ``ALTER TABLE ... WITH`` of one
+    of them is skipped).
     """
     from cassandra import AlreadyExists, RequestValidationException
 
+    created = set() if created is None else created
+    alter = _ALTER_OPTIONS.match(stmt)
+    if alter is not None and alter.group(1).lower() in created:
+        return stmt  # made by this run with the option
+    table = _CREATE_TABLE.match(stmt)
     try:
         session.execute(stmt, timeout=_DDL_TIMEOUT)
+        if table is not None:
+            created.add(table.group(1).lower())
         return stmt
     except AlreadyExists:
         return stmt
@@ -89,6 +102,8 @@ def _execute(session, stmt: str) -> str:
         first = exc
     try:
         session.execute(other, timeout=_DDL_TIMEOUT)
+        if table is not None:
+            created.add(table.group(1).lower())
     except AlreadyExists:
         pass
     except RequestValidationException:
@@ -102,10 +117,11 @@ def apply_schema_sync(opts: CassandraOptions) -> list[str]:
 
     cluster, session, _ = connect(opts, max_schema_agreement_wait=_DDL_TIMEOUT)
     applied: list[str] = []
+    created: set[str] = set()
     stmt = ""
     try:
         for stmt in schema_statements(opts):
-            applied.append(_execute(session, stmt))
+            applied.append(_execute(session, stmt, created))
             # The driver skips its own wait when schema metadata is off (see connect()).
             if not cluster.control_connection.wait_for_schema_agreement(wait_time=_DDL_TIMEOUT):
                 raise StoreTimeout(

@@ -7,7 +7,7 @@ window before hints replay, made certain. Each test leaves every node up.
 
 * a node SIGKILLed mid-epoch and restarted: every epoch exact, byte-identical;
 * a node frozen (SIGSTOP) for 30 s (three request timeouts): the longest wait
-  between batches stays under two request timeouts;
+  between batches stays under one request timeout;
 * samples written with a node down, then read once it is back: none missing
   at the default consistency (the control: that node alone holds none of them);
 * ``dataferry schema apply``, then an ingest, with a node down, the ingest
@@ -141,11 +141,13 @@ def test_a_node_killed_mid_epoch_and_restarted_every_epoch_is_exact(nodes, strea
     assert took and epochs >= 2, (took, epochs)
 
 
-def test_a_node_frozen_for_three_timeouts_stalls_the_loop_less_than_two(nodes, streamed):
+def test_a_node_frozen_for_three_timeouts_stalls_the_loop_less_than_one(nodes, streamed):
     """SIGSTOP: the node's sockets stay open and nothing answers, so nothing tells the driver it
-    is gone. Reads of it are passed to another replica once it looks stalled, and the engine's
-    hedges go to another replica: the training loop waits less than two request timeouts
-    (10 s each) at any point, and every epoch is exact."""
+    is gone. Reads of it are passed to another replica once it looks stalled, the engine's
+    hedges go to another replica (funded by what the stragglers hold, so a full budget does not
+    stop them), and a healthy coordinator waiting on the frozen replica for its quorum asks the
+    third after 50 ms (the tables' speculative_retry): the training loop waits less than one
+    request timeout (10 s) at any point, and every epoch is exact."""
     url, digest = streamed
     timeout = CassandraOptions().request_timeout
     done = threading.Event()
@@ -186,10 +188,9 @@ def test_a_node_frozen_for_three_timeouts_stalls_the_loop_less_than_two(nodes, s
     longest, at = max(gaps)
     print(f"longest wait between batches {longest:.2f} s, {at - longest - frozen_at[0]:.1f} s after the freeze; "
           f"{epochs} epochs")
-    # The bound is two request timeouts: in full-suite runs on 2 loaded cores the longest wait was
-    # 8-18 s (one run at 13.6 s, one at 17.9 s), above the 2.5 s once measured on a quiet machine
-    # (deploy/OPERATIONS.md): a regression under investigation, not the behaviour we promise.
-    assert longest < 2 * timeout, (longest, at - frozen_at[0])
+    # Measured 0.3-1.0 s on a quiet machine (deploy/OPERATIONS.md); before the speculative_retry
+    # and the hedges' funding, 5-10 s here and 8-18 s in full-suite runs on 2 loaded cores
+    assert longest < timeout, (longest, at - frozen_at[0])
 
 
 @pytest.mark.parametrize("path", ["hot", "driver"])

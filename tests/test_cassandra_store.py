@@ -81,13 +81,20 @@ def test_schema_statements_substitute_keyspace_replication_and_compression():
     opts = parse_store_url("cassandra://h/ks_x?replication=NetworkTopologyStrategy:dc1=3,dc2=2")
     modern = schema_statements(opts)
     legacy = schema_statements(opts, legacy_compression=True)
-    assert len(modern) == 8 and all("dataferry" not in s for s in modern)
+    assert len(modern) == 10 and all("dataferry" not in s for s in modern)
     assert modern[0].startswith("CREATE KEYSPACE ks_x")
     assert "{'class': 'NetworkTopologyStrategy', 'dc1': '3', 'dc2': '2'}" in modern[0]
     assert [s.split()[2] for s in modern[1:]] == [
-        "ks_x.samples", "ks_x.samples", "ks_x.sample_meta", "ks_x.datasets", "ks_x.splits", "ks_x.split_chunks", "ks_x.derived_splits"
+        "ks_x.samples", "ks_x.samples", "ks_x.samples", "ks_x.sample_meta", "ks_x.sample_meta", "ks_x.datasets",
+        "ks_x.splits", "ks_x.split_chunks", "ks_x.derived_splits"
     ]
     assert "{'enabled': 'false'}" in modern[1] and "{'sstable_compression': ''}" in legacy[1]
+    # every table asks another replica after 50 ms (the default, 99p, climbs to the read timeout
+    # while a replica is frozen); the two read on every sample get it on older keyspaces too
+    assert all("speculative_retry = '50ms'" in s for s in modern if s.startswith("CREATE TABLE"))
+    assert [s for s in modern if " WITH speculative_retry" in s and s.startswith("ALTER")] == [
+        "ALTER TABLE ks_x.samples WITH speculative_retry = '50ms'",
+        "ALTER TABLE ks_x.sample_meta WITH speculative_retry = '50ms'"]
 
 
 def test_apply_schema_is_idempotent(cassandra_server):
@@ -95,7 +102,7 @@ def test_apply_schema_is_idempotent(cassandra_server):
     url = f"cassandra://{host}:{port}/dft_ddl_{uuid.uuid4().hex[:8]}"
     first = run(apply_schema(parse_store_url(url)))
     second = run(apply_schema(parse_store_url(url)))  # everything exists already: tolerated
-    assert first == second and len(first) == 8  # the ALTER that adds samples.xxh3 to older keyspaces too
+    assert first == second and len(first) == 10  # the ALTERs for older keyspaces (xxh3, speculative_retry) too
 
     async def go():
         async with await open_store(url) as store:

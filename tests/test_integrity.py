@@ -325,3 +325,32 @@ def test_schema_apply_adds_the_column_to_an_older_keyspace(cassandra_server, dat
     seed_url(url, dataset_name, samples)  # a write now records the checksum
     got = run(fetch())
     assert {i: r.checksum for i, r in got.items()} == {s.id: sample_checksum(s.data) for s in samples}
+
+
+@pytest.mark.cassandra
+def test_schema_apply_gives_an_older_keyspace_speculative_retry_and_a_new_one_needs_no_alter(cassandra_server):
+    """A keyspace made before the tables asked for ``speculative_retry = '50ms'`` (its tables at
+    Cassandra's '99p') gets it on ``samples`` and ``sample_meta`` when apply runs again; a new
+    keyspace has it on every table from its CREATE."""
+    import asyncio
+    import uuid
+
+    from dataferry.bench._devcassandra import _query
+    from dataferry.schema._ddl import apply_schema
+
+    host, port = cassandra_server
+    url = f"cassandra://{host}:{port}/dft_spec_{uuid.uuid4().hex[:10]}"
+    opts = parse_store_url(url)
+
+    def options() -> dict:
+        rows = _query(host, port, "SELECT table_name, speculative_retry FROM system_schema.tables "
+                                  f"WHERE keyspace_name='{opts.keyspace}'")
+        return {r[0]: r[1] for r in rows}
+
+    asyncio.run(apply_schema(opts))
+    assert set(options().values()) == {"50ms"} and len(options()) == 6
+    for table in ("samples", "sample_meta"):  # as an older release made them
+        _cql(url, f"ALTER TABLE {opts.keyspace}.{table} WITH speculative_retry = '99p'")
+    assert options()["samples"] == options()["sample_meta"] == "99p"
+    asyncio.run(apply_schema(opts))
+    assert set(options().values()) == {"50ms"}
