@@ -22,11 +22,13 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from dataferry.bench._devcassandra import DevCluster, _query
-from dataferry.client import Loader, Prefetch
+from dataferry.client import Batch, Loader, Prefetch, Stats
 from dataferry.schema import Sample, open_store, parse_store_url
 from dataferry.schema._ddl import apply_schema
 
@@ -47,7 +49,29 @@ async def _write(url: str, samples: list[Sample]) -> None:
         await store.put_split("d", ALL_SPLIT, IdList([s.id for s in samples], [s.label for s in samples]))
 
 
-def _run(cluster: DevCluster, url: str, ids: set[int], freeze_s: float) -> str:
+@dataclass(frozen=True, slots=True)
+class FreezeRun:
+    """One Loader's stream through a freeze."""
+
+    #: ``(wait, when it ended)`` before each batch, ``time.monotonic()``
+    gaps: list[tuple[float, float]]
+    #: when the node was frozen
+    frozen_at: float
+    #: epochs streamed, each exactly once
+    epochs: int
+    stats: Stats
+
+    def longest(self, k: int = 1) -> list[tuple[float, float]]:
+        """The ``k`` longest waits: ``(seconds, when the wait began in seconds after the freeze)``."""
+        return [(g, at - g - self.frozen_at) for g, at in sorted(self.gaps, reverse=True)[:k]]
+
+
+def stream_through_a_freeze(cluster: DevCluster, url: str, ids: set[int], *, freeze_s: float = 30.0,
+                            check: Callable[[Batch], None] | None = None) -> FreezeRun:
+    """Stream dataset ``d`` at ``url`` with a Loader (a 4 MiB budget, batches of 32, a 2 ms step)
+    while the second node of ``cluster`` is frozen for ``freeze_s`` seconds, a second after the
+    start; whole epochs until it has been thawed for 2 s. Each epoch must hold ``ids`` exactly once
+    (AssertionError); ``check(batch)`` sees every batch."""
     done = threading.Event()
     frozen_at: list[float] = []
 
@@ -75,7 +99,9 @@ def _run(cluster: DevCluster, url: str, ids: set[int], freeze_s: float) -> str:
                 gaps.append((now - last, now))
                 last = now
                 seen.update(batch.ids.tolist())
-                time.sleep(0.002)
+                if check is not None:
+                    check(batch)
+                time.sleep(0.002)  # a training step
             if seen != Counter(dict.fromkeys(ids, 1)):
                 raise AssertionError(f"epoch {epochs}: not every id exactly once")
             epochs += 1
@@ -83,9 +109,13 @@ def _run(cluster: DevCluster, url: str, ids: set[int], freeze_s: float) -> str:
                 break
         freezer.join()
         stats = loader.stats()
-    top = sorted(gaps, reverse=True)[:4]
-    waits = ", ".join(f"{g:.2f} s at {at - g - frozen_at[0]:+.1f} s" for g, at in top)
-    return f"longest waits {waits} (after the freeze); {epochs} epochs exact; hedges {stats.hedges}, retries {stats.retries}"
+    return FreezeRun(gaps, frozen_at[0], epochs, stats)
+
+
+def _describe(run: FreezeRun) -> str:
+    waits = ", ".join(f"{g:.2f} s at {began:+.1f} s" for g, began in run.longest(4))
+    return (f"longest waits {waits} (after the freeze); {run.epochs} epochs exact; hedges {run.stats.hedges}, "
+            f"retries {run.stats.retries}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"3 nodes, RF 3, 1,000 samples of 45 KB, budget 4 MiB; samples.speculative_retry {rows[0][0]}; "
               f"node 127.0.0.2 frozen {args.freeze:g} s per run", flush=True)
         for run in range(args.runs):
-            print(f"run {run}: {_run(cluster, url, {s.id for s in samples}, args.freeze)}", flush=True)
+            got = stream_through_a_freeze(cluster, url, {s.id for s in samples}, freeze_s=args.freeze)
+            print(f"run {run}: {_describe(got)}", flush=True)
     return 0
 
 

@@ -71,7 +71,7 @@ def _swap_compression(stmt: str) -> str | None:
     return None
 
 
-def _execute(session, stmt: str, created: set[str] | None = None) -> str:
+def _execute(session, stmt: str, created: set[str]) -> str:
     """Run one DDL statement; return the form that ran. AlreadyExists counts as done.
 
     A rejected compression map is retried in the other syntax; if that fails
@@ -81,34 +81,30 @@ def _execute(session, stmt: str, created: set[str] | None = None) -> str:
     """
     from cassandra import AlreadyExists, RequestValidationException
 
-    created = set() if created is None else created
     alter = _ALTER_OPTIONS.match(stmt)
     if alter is not None and alter.group(1).lower() in created:
         return stmt  # made by this run with the option
-    table = _CREATE_TABLE.match(stmt)
+    ran = stmt
     try:
         session.execute(stmt, timeout=_DDL_TIMEOUT)
-        if table is not None:
-            created.add(table.group(1).lower())
-        return stmt
     except AlreadyExists:
         return stmt
     except RequestValidationException as exc:
         if _ADD_COLUMN.match(stmt) and _EXISTING_COLUMN.search(str(exc)):
             return stmt  # the column is there (the table was created with it, or added before)
-        other = _swap_compression(stmt)
-        if other is None:
+        ran = _swap_compression(stmt)
+        if ran is None:
             raise
-        first = exc
-    try:
-        session.execute(other, timeout=_DDL_TIMEOUT)
-        if table is not None:
-            created.add(table.group(1).lower())
-    except AlreadyExists:
-        pass
-    except RequestValidationException:
-        raise first from None
-    return other
+        try:
+            session.execute(ran, timeout=_DDL_TIMEOUT)
+        except AlreadyExists:
+            return ran
+        except RequestValidationException:
+            raise exc from None
+    table = _CREATE_TABLE.match(stmt)
+    if table is not None:
+        created.add(table.group(1).lower())
+    return ran
 
 
 def apply_schema_sync(opts: CassandraOptions) -> list[str]:

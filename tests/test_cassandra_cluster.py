@@ -148,49 +148,21 @@ def test_a_node_frozen_for_three_timeouts_stalls_the_loop_less_than_one(nodes, s
     stop them), and a healthy coordinator waiting on the frozen replica for its quorum asks the
     third after 50 ms (the tables' speculative_retry): the training loop waits less than one
     request timeout (10 s) at any point, and every epoch is exact."""
+    from dataferry.bench.frozen_node import stream_through_a_freeze
+
     url, digest = streamed
     timeout = CassandraOptions().request_timeout
-    done = threading.Event()
-    frozen_at: list[float] = []
-    gaps: list[tuple[float, float]] = []
 
-    def freeze():
-        try:
-            time.sleep(1.0)
-            frozen_at.append(time.monotonic())
-            nodes.nodes[1].freeze()
-            time.sleep(3 * timeout)
-            nodes.nodes[1].thaw()
-            time.sleep(2.0)
-        finally:
-            done.set()
+    def check(batch) -> None:
+        for i, data in zip(batch.ids.tolist(), batch.data):
+            assert hashlib.sha256(data.tobytes()).digest() == digest[i], f"sample {i} corrupt"
 
-    with Loader(url, "d", batch_size=32, prefetch=Prefetch(max_bytes=BUDGET)) as loader:
-        freezer = threading.Thread(target=freeze)
-        freezer.start()
-        last = time.monotonic()
-        epochs = 0
-        while True:
-            seen: Counter = Counter()
-            for batch in loader:
-                now = time.monotonic()
-                gaps.append((now - last, now))
-                last = now
-                for i, data in zip(batch.ids.tolist(), batch.data):
-                    seen[i] += 1
-                    assert hashlib.sha256(data.tobytes()).digest() == digest[i], f"sample {i} corrupt"
-                time.sleep(0.002)  # a training step
-            assert seen == Counter(dict.fromkeys(digest, 1)), f"epoch {epochs}: not every id exactly once"
-            epochs += 1
-            if done.is_set():
-                break
-        freezer.join()
-    longest, at = max(gaps)
-    print(f"longest wait between batches {longest:.2f} s, {at - longest - frozen_at[0]:.1f} s after the freeze; "
-          f"{epochs} epochs")
+    run = stream_through_a_freeze(nodes, url, set(digest), freeze_s=3 * timeout, check=check)
+    [(longest, after)] = run.longest()
+    print(f"longest wait between batches {longest:.2f} s, {after:.1f} s after the freeze; {run.epochs} epochs")
     # Measured 0.3-1.0 s on a quiet machine (deploy/OPERATIONS.md); before the speculative_retry
     # and the hedges' funding, 5-10 s here and 8-18 s in full-suite runs on 2 loaded cores
-    assert longest < timeout, (longest, at - frozen_at[0])
+    assert longest < timeout, (longest, after)
 
 
 @pytest.mark.parametrize("path", ["hot", "driver"])
