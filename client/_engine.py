@@ -59,6 +59,7 @@ class _Req:
     first: float = 0.0  # when its first answer came
     hedge: bool = False
     twin: _Req | None = None
+    paired: bool = False  # a hedge, or hedged: its answers may repeat its twin's (``twin`` is cleared at its end)
     deadline: float = float("inf")  # when to hedge it
     task: asyncio.Task | None = None
     answered: set[int] = field(default_factory=set)
@@ -464,6 +465,7 @@ class Run(Recovery):
                    hedge=hedge_of is not None, twin=hedge_of, extra=extra, count=len(positions))
         if hedge_of is not None:
             hedge_of.twin = req
+            hedge_of.paired = req.paired = True
             self.c.hedges += 1
             self._nhedge += 1
             moved = min(reserved, hedge_of.reserved)  # the straggler's reservation funds its hedge
@@ -509,18 +511,29 @@ class Run(Recovery):
         answered.add(sid)
         extra = req.extra
         positions = (pos,) if extra is None or sid not in extra else (pos, *extra[sid])
-        take = req.per_sample * len(positions)
+        ep = req.epoch
         missing = isinstance(result, SampleNotFound)
         if not missing:
             data = result.data
             nbytes = len(data)
-            if nbytes > take:
+        if req.paired and pos in ep.completed and (extra is None or all(p in ep.completed for p in positions)):
+            take = 0  # its twin's answer came first and drew the reservation; this one adds no bytes
+        else:
+            take = req.per_sample * len(positions)
+            if not missing and nbytes > take:
                 take = nbytes  # larger than its share: the rest of the request's reservation covers it
-        if take > req.reserved:
-            take = req.reserved
+            if take > req.reserved:
+                twin = req.twin
+                if twin is not None and twin.reserved:
+                    # a hedge pair shares one reservation (_maybe_hedge moved the straggler's to its
+                    # hedge): whichever answers a sample first draws it, from the other if need be
+                    moved = min(take - req.reserved, twin.reserved)
+                    twin.reserved -= moved
+                    req.reserved += moved
+                if take > req.reserved:
+                    take = req.reserved
         req.reserved -= take
         self._reserved -= take
-        ep = req.epoch
         ep.reserved -= take
         breaker = self._breaker
         if breaker.fails and req.start >= breaker.down_since:

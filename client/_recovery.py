@@ -71,10 +71,20 @@ class Recovery:
             self._nhedge -= 1
         else:
             self._nreq -= 1
-        self._reserved -= req.reserved
         ep = req.epoch
+        twin = req.twin
+        if req.reserved and twin is not None and twin.twin is req and twin in self._active:
+            # what is left of a hedge pair's shared reservation goes to the twin still in flight, up to
+            # what its unanswered samples need: its answers are first answers now (_on_result)
+            need = sum(twin.per_sample for p in twin.all_positions() if p not in ep.completed) - twin.reserved
+            if need > 0:
+                moved = min(need, req.reserved)
+                twin.reserved += moved
+                req.reserved -= moved
+        self._reserved -= req.reserved
         ep.active -= 1
         ep.reserved -= req.reserved
+        req.reserved = 0
         cover = ep.cover
         for p in req.all_positions():
             if cover[p] > 1:

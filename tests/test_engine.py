@@ -244,6 +244,50 @@ def test_memory_stays_within_the_byte_budget_on_a_dataset_ten_times_larger():
     assert peak <= budget + (2 << 20), f"peak {peak / 2**20:.1f} MiB over a {budget / 2**20:.0f} MiB budget"
 
 
+class StragglerSource(FreshBytesSource):
+    """The 40th request answers half its ids, stalls, then answers the rest before its hedge,
+    which waits longer still: the straggler's late answers are first answers while the hedge,
+    which took over its reservation, is in flight (every sample is exactly the size reserved)."""
+
+    def __init__(self, n, size, stall=0.4):
+        super().__init__(n, size)
+        self.calls, self.stall, self.trapped, self.hedged = 0, stall, set(), 0
+
+    async def fetch(self, dataset, ids):
+        self.calls += 1
+        if self.trapped & set(ids):
+            self.hedged += 1
+            await asyncio.sleep(2 * self.stall)
+        elif self.calls == 40:
+            self.trapped = set(ids)
+            half = len(ids) // 2
+            for i in ids[:half]:
+                yield Sample(i, i % 10, os.urandom(self.size))
+            await asyncio.sleep(self.stall)
+            ids = ids[half:]
+        else:
+            await asyncio.sleep(0.002)
+        for i in ids:
+            yield Sample(i, i % 10, os.urandom(self.size))
+
+
+def test_a_hedge_pair_shares_one_reservation_and_the_accounting_stays_within_the_budget():
+    """Red before: a hedge took over its straggler's reservation, and the straggler's answers
+    that came first then added bytes reserved by nobody (the CI run's 17.0 MB against 16 MiB)."""
+    budget, size, n = 1 << 20, 16 << 10, 400  # 64 samples' worth; a consumer slower than the source
+    src = StragglerSource(n, size)
+    prefetch = Prefetch(max_bytes=budget, request_size=8, sample_bytes_hint=size, tune=False, max_inflight=16)
+    with Loader(src, "d", batch_size=16, prefetch=prefetch, hedge=Hedge(factor=1.0, min_delay=0.05)) as loader:
+        seen = []
+        for batch in loader:
+            seen.extend(batch.ids.tolist())
+            time.sleep(0.01)
+        stats = loader.stats()
+    assert sorted(seen) == list(range(n))
+    assert src.hedged >= 1 and stats.hedges >= 1
+    assert stats.peak_bytes <= budget, f"the accounting peaked at {stats.peak_bytes:,} B"
+
+
 # --- resume ---------------------------------------------------------------------------------------
 def test_state_dict_resume_delivers_exactly_the_rest():
     src = JitterSource("d", synthetic(2000).samples.values(), hi=0.02, seed=4)
