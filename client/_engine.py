@@ -462,16 +462,10 @@ class Run(Recovery):
         per_sample = int(self.link.reserve_bytes)
         reserved = per_sample * len(positions)
         req = _Req(ep, by_id, now, attempt, reserved, per_sample, size=self.request_size,
-                   hedge=hedge_of is not None, twin=hedge_of, extra=extra, count=len(positions))
+                   hedge=hedge_of is not None, twin=hedge_of, paired=hedge_of is not None, extra=extra,
+                   count=len(positions))
         if hedge_of is not None:
-            hedge_of.twin = req
-            hedge_of.paired = req.paired = True
-            self.c.hedges += 1
-            self._nhedge += 1
-            moved = min(reserved, hedge_of.reserved)  # the straggler's reservation funds its hedge
-            hedge_of.reserved -= moved
-            self._reserved -= moved
-            hedge_of.epoch.reserved -= moved
+            self._pair(hedge_of, req)  # the straggler's reservation funds its hedge
         else:
             self._nreq += 1
             req.sent_with = self._nreq
@@ -511,29 +505,20 @@ class Run(Recovery):
         answered.add(sid)
         extra = req.extra
         positions = (pos,) if extra is None or sid not in extra else (pos, *extra[sid])
-        ep = req.epoch
+        take = req.per_sample * len(positions)
         missing = isinstance(result, SampleNotFound)
         if not missing:
             data = result.data
             nbytes = len(data)
-        if req.paired and pos in ep.completed and (extra is None or all(p in ep.completed for p in positions)):
-            take = 0  # its twin's answer came first and drew the reservation; this one adds no bytes
-        else:
-            take = req.per_sample * len(positions)
-            if not missing and nbytes > take:
+            if nbytes > take:
                 take = nbytes  # larger than its share: the rest of the request's reservation covers it
-            if take > req.reserved:
-                twin = req.twin
-                if twin is not None and twin.reserved:
-                    # a hedge pair shares one reservation (_maybe_hedge moved the straggler's to its
-                    # hedge): whichever answers a sample first draws it, from the other if need be
-                    moved = min(take - req.reserved, twin.reserved)
-                    twin.reserved -= moved
-                    req.reserved += moved
-                if take > req.reserved:
-                    take = req.reserved
+        if req.paired:  # a hedge pair shares one reservation: _recovery.Recovery._pair_take
+            take = self._pair_take(req, take, positions)
+        if take > req.reserved:
+            take = req.reserved
         req.reserved -= take
         self._reserved -= take
+        ep = req.epoch
         ep.reserved -= take
         breaker = self._breaker
         if breaker.fails and req.start >= breaker.down_since:

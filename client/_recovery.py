@@ -141,6 +141,31 @@ class Recovery:
             when = now + self.retry.delay(attempt, self._rand.random())
             heapq.heappush(ep.retries, (when, next(self._seq), again, attempt))
 
+    def _pair(self, straggler: _Req, hedge: _Req) -> None:
+        """``hedge`` goes out for ``straggler``'s unanswered samples: the two share one reservation,
+        the straggler's, moved to the hedge (what the hedge needs beyond it was reserved in ``_start``)."""
+        straggler.twin, straggler.paired = hedge, True
+        self.c.hedges += 1
+        self._nhedge += 1
+        moved = min(hedge.reserved, straggler.reserved)
+        straggler.reserved -= moved
+        self._reserved -= moved
+        straggler.epoch.reserved -= moved
+
+    def _pair_take(self, req: _Req, take: int, positions: tuple[int, ...]) -> int:
+        """What an answer to a hedge pair's request draws from the reservation (``_maybe_hedge`` moved
+        the straggler's to its hedge): nothing for a sample its twin answered first (it adds no bytes);
+        else ``take``, with what ``req`` lacks moved over from its twin."""
+        done = req.epoch.completed
+        if all(p in done for p in positions):
+            return 0
+        twin = req.twin
+        if take > req.reserved and twin is not None and twin.reserved:
+            moved = min(take - req.reserved, twin.reserved)
+            twin.reserved -= moved
+            req.reserved += moved
+        return take
+
     def _maybe_hedge(self, now: float) -> float:
         """Hedge requests past their deadline; return the next hedge deadline
         (inf when hedging is off, the breaker is open, or the hedge budget is spent)."""
