@@ -48,8 +48,9 @@ class Condition:
 
 
 @contextlib.contextmanager
-def _proxies(cond: Condition, *, host: str, wrap: tuple[str, ...], rate: bool):
-    """Yield a route that starts one latency-proxy process per upstream, listening on ``host``."""
+def _proxies(cond: Condition, *, host: str, wrap: tuple[str, ...], rate: bool, window: str | None = None):
+    """Yield a route that starts one latency-proxy process per upstream, listening on ``host``;
+    ``window``: the proxies' ``--window`` (None: theirs, the kernel's tcp_rmem maximum)."""
     with contextlib.ExitStack() as stack:
         proxies: dict[Address, Address] = {}
 
@@ -60,6 +61,8 @@ def _proxies(cond: Condition, *, host: str, wrap: tuple[str, ...], rate: bool):
                        "--delay", f"{cond.rtt_ms / 2:g}ms", "--jitter", f"{cond.jitter_ms:g}ms"]
                 if rate and cond.rate:
                     cmd += ["--rate", cond.rate]
+                if window is not None:
+                    cmd += ["--window", window]
                 proxies[upstream] = stack.enter_context(announced(cmd, "the latency proxy"))
             return proxies[upstream]
 
@@ -76,12 +79,15 @@ class ProxyLink:
     host = "127.0.0.1"  # where servers listen
     wrap: tuple[str, ...] = ()  # how server commands are started
 
+    def __init__(self, window: str | None = None) -> None:
+        self.window = window  # the proxies' TCP window (latency-proxy --window); None: their default
+
     def unsupported(self, cond: Condition) -> str | None:
         """Why ``cond`` cannot be emulated here, or None."""
         return _NO_LOSS if cond.loss_pct else None
 
     def emulate(self, cond: Condition):
-        return _proxies(cond, host=self.host, wrap=self.wrap, rate=True)
+        return _proxies(cond, host=self.host, wrap=self.wrap, rate=True, window=self.window)
 
     @contextlib.contextmanager
     def cassandra(self, images: int):

@@ -1,7 +1,7 @@
 """Defaults against the self-tuning loader against a hand-tuned grid, on two links.
 
 ``python -m dataferry.bench.tune [--seconds 3] [--runs 3] [--images 65536] [--size 110000] [--links fast,slow]``
-``python -m dataferry.bench.tune --http [--rtts 0,100,200] [--pairs 3] [--seconds 3]``: a real
+``python -m dataferry.bench.tune --http [--rtts 0,100,200] [--pairs 3] [--seconds 3] [--proxy-window 4MiB]``: a real
 ``dataferry serve --workers 2`` behind a latency proxy, the default against the best hand-tuned.
 
 The links (``--links``):
@@ -55,7 +55,7 @@ def http_main(args) -> int:
 
         for rtt in rtts:
             seconds = args.seconds * (1 if rtt == 0 else 2)
-            with ProxyLink().emulate(Condition(rtt)) as route:
+            with ProxyLink(window=args.proxy_window).emulate(Condition(rtt)) as route:
                 host, port = route(address)
                 url = f"http://{host}:{port}"
                 run(url, "default", 1.0)  # warm the server's page cache and the proxy
@@ -67,8 +67,8 @@ def http_main(args) -> int:
                     got = {s: run(url, s, seconds) for s in order}
                     pairs.append((got["default"], got[best]))
             ratios = [d[0].samples_per_s / b[0].samples_per_s for d, b in pairs]
-            print(f"\n{rtt:g} ms RTT (latency proxy), serve --workers 2, {args.store_images} JPEGs in SQLite, "
-                  f"batch {args.batch_size}, runs of {seconds:g} s; grid (one run each):")
+            print(f"\n{rtt:g} ms RTT (latency proxy, window {args.proxy_window or 'tcp_rmem max'}), serve --workers 2, "
+                  f"{args.store_images} JPEGs in SQLite, batch {args.batch_size}, runs of {seconds:g} s; grid (one run each):")
             print(table(["setting", "samples/s", "client us/sample", "server us/sample", "window", "ids/req"],
                         [[s, f"{r.samples_per_s:,.0f}", f"{r.us_per_sample:.1f}", f"{srv:.1f}", str(r.window),
                           str(r.request_size)] for s, (r, srv) in grid.items()]))
@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rtts", default="0,100,200", help="--http: round trips in ms")
     p.add_argument("--pairs", type=int, default=3, help="--http: alternated pairs per round trip")
     p.add_argument("--store-images", type=int, default=4096, help="--http: JPEGs in the SQLite store")
+    p.add_argument("--proxy-window", metavar="BYTES",
+                   help="--http: the latency proxy's TCP window per connection and direction, e.g. 4MiB (a "
+                        "sender's tcp_wmem maximum) or none (default: the proxy's, this kernel's tcp_rmem maximum)")
     args = p.parse_args(argv)
     if args.http:
         return http_main(args)
