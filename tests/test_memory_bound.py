@@ -255,10 +255,13 @@ def test_one_outlier_sample_does_not_shrink_the_window_for_long():
         # received nothing since the last one is not counted: the figure then is the one the engine
         # stopped at (in a full run it had the epoch in hand with the outlier among its last samples,
         # and the consumer read 16 more batches from memory), and no request waits on it
+        async def figures():  # read together on the engine's loop: from this thread, the engine may
+            return link.high_bytes, link.reserve_bytes, link.mean_bytes  # update the mean between two reads
+
         for b in loader:
             got += len(b)
-            high = max(high, link.high_bytes)
-            reserve, mean = link.reserve_bytes, link.mean_bytes
+            seen, reserve, mean = loader._lt.call(figures(), timeout=10)
+            high = max(high, seen)
             assert reserve <= Link.RESERVE_CAP * mean + 1e-6
             received = loader.stats().received
             if received != before:
