@@ -531,7 +531,7 @@ class Run(Recovery):
                     self._fail(ep, p, result)
             return
         # End-to-end integrity, one place for every source: the checksum the store keeps with the
-        # sample against the bytes as they arrived here (~2 us per 110 KB). Not retried: a re-read
+        # sample against the bytes as they arrived here (2-5 us per 110 KB). Not retried: a re-read
         # gets the same stored bytes (README, "Integrity").
         checksum = result.checksum
         if checksum is not None and self._verify and sample_checksum(data) != checksum:

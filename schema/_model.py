@@ -83,7 +83,7 @@ def sample_checksum(data) -> int:
     """The fast checksum stored with a sample: XXH3-64 of its stored bytes (``data``
     only, not the target), as a signed 64-bit int (a Cassandra ``bigint``).
 
-    About 2 us for 110 KB (``bench/checksum.py``); computed by the stores' write
+    About 2-5 us for 110 KB, by machine (``bench/checksum.py``); computed by the stores' write
     path and verified by the client engine on every read path.
     """
     v = _xxh3(data)
