@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import struct
 import time
 
 import pytest
@@ -65,11 +66,48 @@ class SilentDropRelay(RawHttpServer):
             cwriter.close()
 
 
+class ResetIdleRelay(RawHttpServer):
+    """TCP relay on loopback to ``port``; a flow idle ``drop_after`` seconds is reset (RST) when the
+    client sends on it again, nothing forwarded: a server or middlebox that ended it while it idled."""
+
+    def __init__(self, port: int, drop_after: float) -> None:
+        self.port, self.drop_after = port, drop_after
+        self.dropped = self.flows = 0
+
+    async def handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
+        self.flows += 1
+        ureader, uwriter = await asyncio.open_connection("127.0.0.1", self.port)
+        last = time.monotonic()
+
+        async def back() -> None:
+            while data := await ureader.read(1 << 16):
+                cwriter.write(data)
+                await cwriter.drain()
+
+        answers = asyncio.ensure_future(back())
+        try:
+            while data := await creader.read(1 << 16):
+                if time.monotonic() - last >= self.drop_after:
+                    self.dropped += 1
+                    sock = cwriter.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    cwriter.transport.abort()  # RST
+                    return
+                last = time.monotonic()
+                uwriter.write(data)
+                await uwriter.drain()
+        except ConnectionError:
+            pass
+        finally:
+            answers.cancel()
+            uwriter.close()
+
+
 @contextlib.contextmanager
-def relayed(port: int, drop_after: float = DROP_AFTER):
-    """A SilentDropRelay to ``port`` in a loop thread: (its URL, the relay)."""
+def relayed(port: int, drop_after: float = DROP_AFTER, kind=None):
+    """A SilentDropRelay (or ``kind``) to ``port`` in a loop thread: (its URL, the relay)."""
     loop = LoopThread("test-relay")
-    relay = SilentDropRelay(port, drop_after)
+    relay = (kind or SilentDropRelay)(port, drop_after)
     try:
         url = loop.call(relay.__aenter__(), timeout=10)
         yield url, relay
@@ -108,6 +146,25 @@ def test_a_connection_dropped_while_idle_is_resent_after_the_first_byte_deadline
     with relayed(service.port) as (url, relay):
         took, resent = run(go(url, relay))
     assert relay.dropped == 1 and resent == 1, (relay.dropped, resent)
+    assert took < STALL, took
+
+
+def test_a_reset_on_reuse_goes_again_on_a_new_connection_not_on_another_idle_one(service):
+    """Before: the request went again on the next idle connection, which had idled as long (reset
+    too here: the fetch failed; silently dead: the whole read timeout, with no first-byte deadline)."""
+    async def go(url):
+        options = HttpOptions(keepalive=60, first_byte_timeout=5, read_timeout=10)
+        async with await HttpSource.open(url, options=options) as src:
+            ids = (await src.read_split("d", "all")).ids[:8].tolist()
+            await asyncio.gather(_timed_fetch(src, ids), _timed_fetch(src, ids))  # two pooled connections
+            idle = len(src._pool._idle)
+            await asyncio.sleep(PAUSE)  # both idle past the relay's limit
+            return idle, await _timed_fetch(src, ids)
+
+    with relayed(service.port, kind=ResetIdleRelay) as (url, relay):
+        idle, took = run(go(url))
+    assert idle >= 2, idle
+    assert relay.dropped == 1 and relay.flows == idle + 1, (relay.dropped, relay.flows)  # the pooled ones and one new
     assert took < STALL, took
 
 

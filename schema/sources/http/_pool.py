@@ -108,8 +108,10 @@ class Pool:
                     break
                 except ConnectionResetError:
                     if reused and attempt == 0 and not conn.got_bytes:
-                        conn.close()  # the server closed it while idle, as we sent: once more on a new one
-                        conn = None
+                        # the server (or a middlebox) closed it while idle, as we sent: once more on a new
+                        # one, not on another idle one, which idled as long and gets no first-byte deadline
+                        conn.close()
+                        conn, fresh = None, True
                         continue
                     if not reused and not conn.got_bytes and self._ssl is None and await self._tls_answers():
                         raise NotHttp("the peer speaks TLS", tls=True) from None
