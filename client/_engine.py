@@ -462,10 +462,9 @@ class Run(Recovery):
         per_sample = int(self.link.reserve_bytes)
         reserved = per_sample * len(positions)
         req = _Req(ep, by_id, now, attempt, reserved, per_sample, size=self.request_size,
-                   hedge=hedge_of is not None, twin=hedge_of, paired=hedge_of is not None, extra=extra,
-                   count=len(positions))
+                   hedge=hedge_of is not None, extra=extra, count=len(positions))
         if hedge_of is not None:
-            self._pair(hedge_of, req)  # the straggler's reservation funds its hedge
+            self._pair(hedge_of, req)  # twins, sharing the straggler's reservation
         else:
             self._nreq += 1
             req.sent_with = self._nreq

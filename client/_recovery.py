@@ -142,9 +142,11 @@ class Recovery:
             heapq.heappush(ep.retries, (when, next(self._seq), again, attempt))
 
     def _pair(self, straggler: _Req, hedge: _Req) -> None:
-        """``hedge`` goes out for ``straggler``'s unanswered samples: the two share one reservation,
-        the straggler's, moved to the hedge (what the hedge needs beyond it was reserved in ``_start``)."""
-        straggler.twin, straggler.paired = hedge, True
+        """``hedge`` goes out for ``straggler``'s unanswered samples: the two become twins and share
+        one reservation, the straggler's, moved to the hedge (what the hedge needs beyond it was
+        reserved in ``_start``)."""
+        straggler.twin, hedge.twin = hedge, straggler
+        straggler.paired = hedge.paired = True
         self.c.hedges += 1
         self._nhedge += 1
         moved = min(hedge.reserved, straggler.reserved)
@@ -153,8 +155,8 @@ class Recovery:
         straggler.epoch.reserved -= moved
 
     def _pair_take(self, req: _Req, take: int, positions: tuple[int, ...]) -> int:
-        """What an answer to a hedge pair's request draws from the reservation (``_maybe_hedge`` moved
-        the straggler's to its hedge): nothing for a sample its twin answered first (it adds no bytes);
+        """What an answer to a hedge pair's request draws from the reservation (``_pair`` moved the
+        straggler's to its hedge): nothing for a sample its twin answered first (it adds no bytes);
         else ``take``, with what ``req`` lacks moved over from its twin."""
         done = req.epoch.completed
         if all(p in done for p in positions):

@@ -34,10 +34,12 @@ STALL = 2.0
 
 class SilentDropRelay(RawHttpServer):
     """TCP relay on loopback to ``port``; a flow idle ``drop_after`` seconds is
-    dropped silently (its bytes swallowed both ways, its sockets left open)."""
+    dropped silently (its bytes swallowed both ways, its sockets left open), or,
+    with ``reset``, reset (RST) when the client sends on it again, nothing
+    forwarded: a server or middlebox that ended it while it idled."""
 
-    def __init__(self, port: int, drop_after: float) -> None:
-        self.port, self.drop_after = port, drop_after
+    def __init__(self, port: int, drop_after: float, reset: bool = False) -> None:
+        self.port, self.drop_after, self.reset = port, drop_after, reset
         self.dropped = 0  # flows dropped
         self.flows = 0  # flows opened
 
@@ -52,6 +54,12 @@ class SilentDropRelay(RawHttpServer):
                 if from_client and not state["dead"] and now - state["last"] >= self.drop_after:
                     state["dead"] = True
                     self.dropped += 1
+                    if self.reset:
+                        sock = cwriter.get_extra_info("socket")
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        cwriter.transport.abort()  # RST
+                        uwriter.close()  # and the answers' pump ends
+                        return
                 state["last"] = now
                 if not state["dead"]:
                     dst.write(data)
@@ -66,48 +74,11 @@ class SilentDropRelay(RawHttpServer):
             cwriter.close()
 
 
-class ResetIdleRelay(RawHttpServer):
-    """TCP relay on loopback to ``port``; a flow idle ``drop_after`` seconds is reset (RST) when the
-    client sends on it again, nothing forwarded: a server or middlebox that ended it while it idled."""
-
-    def __init__(self, port: int, drop_after: float) -> None:
-        self.port, self.drop_after = port, drop_after
-        self.dropped = self.flows = 0
-
-    async def handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
-        self.flows += 1
-        ureader, uwriter = await asyncio.open_connection("127.0.0.1", self.port)
-        last = time.monotonic()
-
-        async def back() -> None:
-            while data := await ureader.read(1 << 16):
-                cwriter.write(data)
-                await cwriter.drain()
-
-        answers = asyncio.ensure_future(back())
-        try:
-            while data := await creader.read(1 << 16):
-                if time.monotonic() - last >= self.drop_after:
-                    self.dropped += 1
-                    sock = cwriter.get_extra_info("socket")
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    cwriter.transport.abort()  # RST
-                    return
-                last = time.monotonic()
-                uwriter.write(data)
-                await uwriter.drain()
-        except ConnectionError:
-            pass
-        finally:
-            answers.cancel()
-            uwriter.close()
-
-
 @contextlib.contextmanager
-def relayed(port: int, drop_after: float = DROP_AFTER, kind=None):
-    """A SilentDropRelay (or ``kind``) to ``port`` in a loop thread: (its URL, the relay)."""
+def relayed(port: int, drop_after: float = DROP_AFTER, reset: bool = False):
+    """A SilentDropRelay to ``port`` in a loop thread: (its URL, the relay)."""
     loop = LoopThread("test-relay")
-    relay = (kind or SilentDropRelay)(port, drop_after)
+    relay = SilentDropRelay(port, drop_after, reset)
     try:
         url = loop.call(relay.__aenter__(), timeout=10)
         yield url, relay
@@ -161,7 +132,7 @@ def test_a_reset_on_reuse_goes_again_on_a_new_connection_not_on_another_idle_one
             await asyncio.sleep(PAUSE)  # both idle past the relay's limit
             return idle, await _timed_fetch(src, ids)
 
-    with relayed(service.port, kind=ResetIdleRelay) as (url, relay):
+    with relayed(service.port, reset=True) as (url, relay):
         idle, took = run(go(url))
     assert idle >= 2, idle
     assert relay.dropped == 1 and relay.flows == idle + 1, (relay.dropped, relay.flows)  # the pooled ones and one new
