@@ -22,7 +22,7 @@ from dataferry.schema import Store, open_store, redact_url
 from ._derive import add_derive_jobs
 from ._gate import StoreGate
 from ._keys import GATE, LIMIT, METRICS, OPTIONS, REGISTRY
-from ._metrics import Metrics, new_registry, shared_registry
+from ._metrics import GC_SYNC_S, Metrics, new_registry, shared_registry
 from ._middleware import MIDDLEWARES
 from ._options import ServerOptions
 from ._protocol import handler_args
@@ -48,7 +48,8 @@ def make_app(store: Store | str, options: ServerOptions = ServerOptions(), *,
         app[REGISTRY] = new_registry()
         app[METRICS] = Metrics.register(app[REGISTRY])
     else:
-        app[REGISTRY] = shared_registry(metrics_dir)
+        app[REGISTRY], sync_gc = shared_registry(metrics_dir)
+        app.cleanup_ctx.append(_every(GC_SYNC_S, sync_gc))
         # the values live in metrics_dir's files; this registry only keeps the names apart
         app[METRICS] = Metrics.register(CollectorRegistry())
     app.cleanup_ctx.append(_store_context(store))
@@ -75,3 +76,23 @@ def _store_context(store: Store | str) -> Callable[[web.Application], AsyncItera
                 log.info("closed store %s", redact_url(store))
 
     return store_lifetime
+
+
+def _every(seconds: float, fn: Callable[[], None]) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A cleanup context that calls ``fn`` every ``seconds`` on the app's loop while it runs, and once more
+    at cleanup."""
+    async def repeating(app: web.Application) -> AsyncIterator[None]:
+        async def repeat() -> None:
+            while True:
+                await asyncio.sleep(seconds)
+                fn()
+
+        task = asyncio.get_running_loop().create_task(repeat(), name=f"every {seconds:g} s: {fn.__qualname__}")
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            fn()
+
+    return repeating

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -30,7 +30,7 @@ from prometheus_client import (
 )
 from prometheus_client.metrics_core import Metric
 
-__all__ = ["Metrics", "new_registry", "shared_registry", "exposition", "CONTENT_TYPE"]
+__all__ = ["Metrics", "new_registry", "shared_registry", "GcCounts", "GC_SYNC_S", "exposition", "CONTENT_TYPE"]
 
 #: the text format every Prometheus (2.x and 3.x) scrapes as it is
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -86,43 +86,67 @@ class Metrics:
         )
 
 
-def shared_registry(path: str) -> CollectorRegistry:
+def shared_registry(path: str) -> tuple[CollectorRegistry, Callable[[], None]]:
     """For a worker of ``serve --workers N``: switch this process's
     prometheus-client to multiprocess mode, its values in files under ``path``
-    (the workers' shared folder), and return the registry ``/metrics`` serves:
-    the sums over every worker, the process figures of the whole server, the
-    platform. Call before any metric is made; once per process."""
+    (the workers' shared folder), and return the registry ``/metrics`` serves
+    (the sums over every worker, the process figures of the whole server, the
+    platform) and the function that copies this worker's garbage-collection
+    counts into the shared files (:class:`GcCounts`; the caller runs it every
+    :data:`GC_SYNC_S` seconds). Call before any metric is made; once per process."""
     from prometheus_client import values
     from prometheus_client.multiprocess import MultiProcessCollector
 
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path  # read by prometheus-client's file-backed values
     values.ValueClass = values.MultiProcessValue()
-    gc_counters = (
-        Counter("python_gc_objects_collected", "Objects collected during gc", ("generation",), registry=None),
-        Counter("python_gc_objects_uncollectable", "Uncollectable objects found during GC", ("generation",),
-                registry=None),
-        Counter("python_gc_collections", "Number of times this generation was collected", ("generation",),
-                registry=None),
-    )
-    gc.callbacks.append(_count_gc(*gc_counters))
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=path)
     registry.register(_ServerProcesses())
     PlatformCollector(registry=registry)
-    return registry
+    return registry, GcCounts().sync
 
 
-def _count_gc(collected: Counter, uncollectable: Counter, collections: Counter):
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "stop":
-            gen = str(info["generation"])
-            collections.labels(gen).inc()
-            if info["collected"]:
-                collected.labels(gen).inc(info["collected"])
-            if info["uncollectable"]:
-                uncollectable.labels(gen).inc(info["uncollectable"])
+#: seconds between a worker's copies of its collection counts into the shared files
+GC_SYNC_S = 1.0
 
-    return on_gc
+
+class GcCounts:
+    """``python_gc_*`` for a worker of ``serve --workers N``, the families
+    ``GCCollector`` gives one process: the interpreter's own tallies
+    (``gc.get_stats()``) since this object was made, copied into multiprocess
+    counters by :meth:`sync`.
+
+    :meth:`sync` is called from ordinary code (the worker's loop), never from a
+    ``gc.callbacks`` hook. A collection can start anywhere, also while
+    prometheus-client's multiprocess lock (one per process, not reentrant) is
+    held by a metric being updated or made; a hook that updates a metric then
+    waits on that lock in the thread that holds it, for good. That froze
+    workers, and the connections the kernel gave their sockets were never
+    answered."""
+
+    _KEYS = ("collections", "collected", "uncollectable")
+
+    def __init__(self) -> None:
+        self._counters = (
+            Counter("python_gc_collections", "Number of times this generation was collected", ("generation",),
+                    registry=None),
+            Counter("python_gc_objects_collected", "Objects collected during gc", ("generation",), registry=None),
+            Counter("python_gc_objects_uncollectable", "Uncollectable objects found during GC", ("generation",),
+                    registry=None),
+        )
+        self._seen = gc.get_stats()  # a forked worker starts with its parent's tallies, not its own
+        for counter in self._counters:  # every series from the start, as GCCollector shows them
+            for gen in range(len(self._seen)):
+                counter.labels(str(gen))
+
+    def sync(self) -> None:
+        """Add what the collector did since the last call."""
+        now = gc.get_stats()
+        for gen, (was, got) in enumerate(zip(self._seen, now)):
+            for key, counter in zip(self._KEYS, self._counters):
+                if got[key] > was[key]:
+                    counter.labels(str(gen)).inc(got[key] - was[key])
+        self._seen = now
 
 
 class _ServerProcesses:
