@@ -96,7 +96,8 @@ def test_default_retry_rides_out_a_restart_without_flooding_or_spinning():
     lasts the breaker sends probes, not a flood, and the engine sleeps."""
     n = 3000
     src = OutageSource("d", MemorySource.synthetic("d", n, size=2000).samples.values(), after=500, down=4.0)
-    with Loader(src, "d", batch_size=50, prefetch=Prefetch(request_size=16)) as loader:
+    window = 24  # the requests that can be out when the store goes down: each is refused once
+    with Loader(src, "d", batch_size=50, prefetch=Prefetch(request_size=16, max_inflight=window)) as loader:
         got = []
         for batch in loader:
             got.extend(batch.ids.tolist())
@@ -109,10 +110,11 @@ def test_default_retry_rides_out_a_restart_without_flooding_or_spinning():
     # probes back off to Retry.max_backoff (2 s): a handful after the first instant ...
     probes = [t for t in src.refused_at if t > 0.05]
     assert len(probes) < 10, src.refused_at
-    # ... plus the requests already out when it went down (not yet started: 19 in most runs,
-    # up to ~40 with the window at its widest); answers still streaming from requests sent before
-    # the failures began no longer reset the breaker, which let ~30 more out before it opened
-    assert src.refused < 50, src.refused_at
+    # ... plus the requests already out when it went down, at most one window (8 with this cap, 19
+    # uncapped in most runs, 62 in one full run of the suite: the default window is unbounded);
+    # answers still streaming from requests sent before the failures began no longer reset the
+    # breaker, which let ~30 more out before it opened
+    assert src.refused <= window + len(probes), src.refused_at
     assert cpu < 0.5 * wall, (cpu, wall)  # no busy loop while the store is down
 
 
