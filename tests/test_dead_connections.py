@@ -36,15 +36,26 @@ class SilentDropRelay(RawHttpServer):
     """TCP relay on loopback to ``port``; a flow idle ``drop_after`` seconds is
     dropped silently (its bytes swallowed both ways, its sockets left open), or,
     with ``reset``, reset (RST) when the client sends on it again, nothing
-    forwarded: a server or middlebox that ended it while it idled."""
+    forwarded: a server or middlebox that ended it while it idled. The next
+    ``mute_next`` flows opened are never forwarded nor answered (their bytes
+    read and dropped, nothing closed): a frozen server process whose kernel
+    still accepts."""
 
     def __init__(self, port: int, drop_after: float, reset: bool = False) -> None:
         self.port, self.drop_after, self.reset = port, drop_after, reset
         self.dropped = 0  # flows dropped
         self.flows = 0  # flows opened
+        self.mute_next = 0
 
     async def handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
         self.flows += 1
+        if self.mute_next > 0:
+            self.mute_next -= 1
+            with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+                while await creader.read(1 << 16):
+                    pass
+            cwriter.close()
+            return
         ureader, uwriter = await asyncio.open_connection("127.0.0.1", self.port)
         state = {"last": time.monotonic(), "dead": False}
 
@@ -75,10 +86,11 @@ class SilentDropRelay(RawHttpServer):
 
 
 @contextlib.contextmanager
-def relayed(port: int, drop_after: float = DROP_AFTER, reset: bool = False):
+def relayed(port: int, drop_after: float = DROP_AFTER, reset: bool = False, mute_next: int = 0):
     """A SilentDropRelay to ``port`` in a loop thread: (its URL, the relay)."""
     loop = LoopThread("test-relay")
     relay = SilentDropRelay(port, drop_after, reset)
+    relay.mute_next = mute_next
     try:
         url = loop.call(relay.__aenter__(), timeout=10)
         yield url, relay
@@ -139,6 +151,28 @@ def test_a_reset_on_reuse_goes_again_on_a_new_connection_not_on_another_idle_one
     assert took < STALL, took
 
 
+def test_a_server_process_that_accepts_and_never_answers_costs_its_deadlines_not_the_read_timeout(service):
+    """A frozen server process behind a shared port (a worker of ``serve --workers N`` stuck for good, a
+    load balancer's hung backend): its kernel accepts new connections that nothing answers. A request on
+    one goes again on a new connection after the first-byte deadline (doubled each try), the first
+    request too; before, only a connection that idled had a deadline, and this waited the read timeout."""
+
+    async def go(url):
+        options = HttpOptions(first_byte_timeout=0.5, read_timeout=20)
+        async with await HttpSource.open(url, options=options) as src:
+            start = time.monotonic()
+            ids = (await src.read_split("d", "all")).ids[:8].tolist()  # answered on the third connection
+            took_list = time.monotonic() - start
+            took = await _timed_fetch(src, ids)
+            return took_list, took, src._pool.resent
+
+    with relayed(service.port, mute_next=2) as (url, relay):
+        took_list, took, resent = run(go(url))
+    assert resent == 2 and relay.flows == 3, (resent, relay.flows)
+    assert 1.5 <= took_list < 1.5 + STALL, took_list  # 0.5 s, then 1 s, then the answer
+    assert took < STALL, took
+
+
 def test_a_connection_idle_past_keepalive_is_not_reused(service):
     async def go(url):
         options = HttpOptions(keepalive=DROP_AFTER * 0.75, first_byte_timeout=30, read_timeout=10)
@@ -192,30 +226,33 @@ def test_every_connection_has_tcp_keepalive(service):
 
 
 class _SlowFirstByte(RawHttpServer):
-    """Every answer's first byte comes after ``delay`` seconds (a service that queues), on keep-alive."""
+    """The first answer's first byte comes after ``delays[0]`` seconds, the next after ``delays[1]`` (a
+    service that queues), on keep-alive."""
 
-    delay = 0.6
+    delays = (0.5, 1.0)
 
     async def handle(self, reader, writer) -> None:
         body = b'{"datasets": []}'
-        while True:
+        for delay in self.delays:
             await self.read_request(reader)
-            await asyncio.sleep(self.delay)
+            await asyncio.sleep(delay)
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                          % (len(body), body))
             await writer.drain()
+        await reader.read()
 
 
 def test_a_slow_first_byte_learned_is_not_cut_short():
     """The deadline grows with the first bytes seen (4x the slowest), so a service
-    that is slow to answer is not taken for a dead connection."""
+    that is slow to answer is not taken for a dead connection once seen: its second
+    answer comes after the option's 0.6 s, within 4 x its first."""
 
     async def go():
         async with _SlowFirstByte() as url:
-            async with await HttpSource.open(url, options=HttpOptions(first_byte_timeout=0.2)) as src:
+            async with await HttpSource.open(url, options=HttpOptions(first_byte_timeout=0.6)) as src:
                 await src.list_datasets()
-                await asyncio.sleep(1.2)  # idled: the next request's first byte has a deadline
-                assert src._pool.first_byte_deadline() >= 4 * _SlowFirstByte.delay
+                await asyncio.sleep(1.2)  # idled too
+                assert src._pool.first_byte_deadline() >= 4 * _SlowFirstByte.delays[0]
                 await src.list_datasets()
                 return src._pool.resent
 

@@ -37,15 +37,18 @@ class HttpOptions:
     #: middleboxes seen dropping flows silently (a 30 s relay): a pause longer
     #: than this costs a new handshake per connection, never a dead one
     keepalive: float = 25.0
-    #: seconds a request sent on a connection that idled (1 s or more) waits for
-    #: its answer's first byte before it is sent again on a new connection (a
-    #: middlebox may have dropped the idle flow without a word); the deadline is
-    #: 4 x the slowest first byte of the last 64 answers when that is larger, so
-    #: a service that queues (its ``queue_timeout`` is 2 s) or a long link is
-    #: not cut short once seen. A request's own size hardly moves its first
-    #: byte: its body is 8 bytes an id, and the server answers once the first
-    #: sample is read. Taken for dead wrongly, a request costs a duplicate and a
-    #: handshake; 1.5 s keeps a dead connection's stall under 2 s
+    #: seconds a request waits for its answer's first byte before it is sent
+    #: again on a new connection (a middlebox may have dropped an idle flow
+    #: without a word; a frozen server process behind a shared port accepts
+    #: connections it never answers); the deadline is 4 x the slowest first
+    #: byte of the last 64 answers when that is larger, so a service that
+    #: queues (its ``queue_timeout`` is 2 s) or a long link is not cut short
+    #: once seen, and it doubles at each of a request's tries (the fourth has
+    #: none). A request's own size hardly moves its first byte: its body is 8
+    #: bytes an id, and the server answers once the first sample is read.
+    #: Taken for dead wrongly, a request costs a duplicate and a handshake (a
+    #: service slower than this to its first answers: raise it); 1.5 s keeps a
+    #: dead connection's stall under 2 s
     first_byte_timeout: float = 1.5
     #: PEM bundle to verify the server's certificate with (default: system CAs)
     ca_file: str | None = None

@@ -1,9 +1,9 @@
 """The keep-alive pool under :class:`HttpSource`: :class:`Pool` holds the
 connections (``Connection``, ``_connection.py``) to one ``host:port``, at most one exchange
 on each, and finds dead ones: TCP keepalive, an idle limit, and a first-byte
-deadline on a connection that idled (its request is then sent again on a new
-one). Connect failures are ``Unreachable``. The details:
-``bench/results/http_receive.md``.
+deadline on every try but the last (a silent connection is closed and its
+request sent again on a new one). Connect failures are ``Unreachable``. The
+details: ``bench/results/http_receive.md``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,15 @@ FIRST_BYTES = 64
 FIRST_BYTE_FACTOR = 4.0
 #: an exchange cancelled (or timed out) after this many seconds is logged with where it was held
 STALL_LOG = 10.0
+#: tries of one exchange. Each but the last gives its answer's first byte a deadline
+#: (``first_byte_deadline``, doubled at each try: 1.5, 3, 6 s before anything is learned); a
+#: connection silent past it is closed and the request goes again on a new one. Silent connections
+#: come from a middlebox that dropped an idle flow, and from a frozen server process behind a shared
+#: port (``SO_REUSEPORT`` workers, a load balancer's backend), whose kernel still accepts connections
+#: it never answers: a new connection most likely reaches another. The last try waits up to the read
+#: timeout. A service slower than ``first_byte_timeout`` to its first answers costs a duplicate each
+#: (then the deadline has learned it): raise the option for such a service.
+TRIES = 4
 
 
 class Pool:
@@ -58,7 +67,7 @@ class Pool:
         self._speaks_tls: bool | None = None  # whether the peer answered a TLS handshake (asked once)
 
     def first_byte_deadline(self, holds: float = 0.0) -> float:
-        """Seconds a request sent on a connection that idled may wait for its first byte."""
+        """Seconds a request's first try may wait for its answer's first byte (``TRIES``)."""
         slowest = max(self._first_bytes, default=0.0)
         return max(self._first_byte, FIRST_BYTE_FACTOR * slowest) + holds
 
@@ -83,7 +92,8 @@ class Pool:
         where = "opening a connection"
         try:
             fresh = False
-            for attempt in range(2):
+            for attempt in range(TRIES):
+                last = attempt == TRIES - 1
                 conn = None if fresh else self._warm()
                 reused = conn is not None
                 idled = time.monotonic() - conn.last_used if reused else 0.0
@@ -94,22 +104,24 @@ class Pool:
                 sent = time.monotonic()
                 conn.send(request, expect, on_200, pause_above)
                 try:
-                    if idled >= STALE_AFTER and attempt == 0:
-                        if not await self._first_byte_within(conn, self.first_byte_deadline(holds)):
-                            # a middlebox dropped the idle flow without a word: the others that idled as
-                            # long are as suspect; this request goes again on a new connection
-                            self._drop_idle(conn.last_used)
-                            conn.close()
-                            conn, fresh = None, True
-                            self.resent += 1
-                            continue
+                    deadline = self.first_byte_deadline(holds) * 2 ** attempt
+                    if not last and not await self._first_byte_within(conn, deadline):
+                        if idled >= STALE_AFTER:  # a middlebox dropped the idle flow without a word: the
+                            self._drop_idle(conn.last_used)  # others that idled as long are as suspect
+                        log.info("request to %s:%d sent again on a new connection: %.1f s on a %s one, %s",
+                                 self.host, self.port, deadline, "reused" if reused else "new",
+                                 conn.describe_wait(time.monotonic()))
+                        conn.close()
+                        conn, fresh = None, True
+                        self.resent += 1
+                        continue
                     while conn.head is None:
                         await conn.wait()
                     break
                 except ConnectionResetError:
-                    if reused and attempt == 0 and not conn.got_bytes:
+                    if reused and not last and not conn.got_bytes:
                         # the server (or a middlebox) closed it while idle, as we sent: once more on a new
-                        # one, not on another idle one, which idled as long and gets no first-byte deadline
+                        # one, not on another idle one, which idled as long
                         conn.close()
                         conn, fresh = None, True
                         continue
