@@ -2,19 +2,22 @@
 
 The parent binds the port (once without ``SO_REUSEPORT``, so a port in use
 fails as for one worker), then one ``SO_REUSEPORT`` socket per worker (or one
-shared socket without it), forks the workers and does nothing else. Each
-worker is a whole single-process server. A worker that fails before serving
-stops the server (exit 1); one that dies while serving is replaced on the same
-socket, up to :data:`MAX_RESTARTS` deaths within :data:`RESTART_WINDOW`
-seconds. SIGTERM/SIGINT to the parent reaches every worker, which finishes its
-responses within ``--grace``; workers die with the parent
-(``PR_SET_PDEATHSIG``). ``/metrics`` sums all workers (``_metrics.py``).
-The rules in full: README.md, Workers.
+shared socket without it), forks the workers and watches them. Each worker is
+a whole single-process server. A worker that fails before serving stops the
+server (exit 1); one that dies while serving is replaced on the same socket,
+up to :data:`MAX_RESTARTS` deaths within :data:`RESTART_WINDOW` seconds; one
+whose loop has not beaten (every :data:`BEAT_EVERY` s, into memory the parent
+reads) for ``timeout`` seconds is frozen, killed and so replaced, and its
+socket's queued connections are answered by the next. SIGTERM/SIGINT to the
+parent reaches every worker, which finishes its responses within ``--grace``;
+workers die with the parent (``PR_SET_PDEATHSIG``). ``/metrics`` sums all
+workers (``_metrics.py``). The rules in full: README.md, Workers.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import shutil
 import signal
@@ -25,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-__all__ = ["default_workers", "bind_shared", "supervise", "MAX_RESTARTS", "RESTART_WINDOW"]
+__all__ = ["default_workers", "bind_shared", "supervise", "MAX_RESTARTS", "RESTART_WINDOW", "BEAT_EVERY"]
 
 log = logging.getLogger("dataferry.server")
 
@@ -34,6 +37,8 @@ EXIT_NOT_STARTED = 3
 #: more worker deaths than this within RESTART_WINDOW seconds stop the server
 MAX_RESTARTS = 5
 RESTART_WINDOW = 60.0
+#: seconds between a serving worker's beats (and between the parent's looks at them)
+BEAT_EVERY = 1.0
 _SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD}
 _PR_SET_PDEATHSIG = 1
 
@@ -69,13 +74,18 @@ def bind_shared(host: str, port: int, count: int, bind: Callable[..., socket.soc
     return socks
 
 
-def supervise(count: int, socks: list[socket.socket], serve: Callable[[socket.socket, str], int]) -> int:
-    """Fork ``count`` workers, each running ``serve(sock, metrics_dir)`` (its
-    return value is its exit status); supervise them as the module docstring
-    says; return the server's exit status."""
+def supervise(count: int, socks: list[socket.socket], serve: Callable[[socket.socket, str, Callable[[], None]], int],
+              *, timeout: float = 0.0) -> int:
+    """Fork ``count`` workers, each running ``serve(sock, metrics_dir, beat)``
+    (its return value is its exit status; it calls ``beat()`` from its loop
+    every :data:`BEAT_EVERY` seconds once serving); supervise them as the
+    module docstring says, killing one whose last beat is ``timeout`` seconds
+    old (0: never); return the server's exit status."""
     metrics_dir = tempfile.mkdtemp(prefix="dataferry-metrics-")
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
-    old_chld = signal.signal(signal.SIGCHLD, lambda *_: None)  # queued for sigwaitinfo, never run
+    old_chld = signal.signal(signal.SIGCHLD, lambda *_: None)  # queued for sigtimedwait, never run
+    # one monotonic time per slot, shared with the forked workers (0: not serving yet)
+    beats = memoryview(mmap.mmap(-1, 8 * count)).cast("d")
     workers: dict[int, int] = {}  # pid -> slot
     deaths: deque[float] = deque()
     status = 0
@@ -84,6 +94,11 @@ def supervise(count: int, socks: list[socket.socket], serve: Callable[[socket.so
     def start(slot: int) -> None:
         sock = socks[slot % len(socks)]
         parent = os.getpid()
+        beats[slot] = 0.0
+
+        def beat() -> None:
+            beats[slot] = time.monotonic()
+
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -96,7 +111,7 @@ def supervise(count: int, socks: list[socket.socket], serve: Callable[[socket.so
                 for s in socks:
                     if s is not sock:
                         s.close()
-                code = serve(sock, metrics_dir)
+                code = serve(sock, metrics_dir, beat)
             except BaseException:  # noqa: BLE001 - a worker reports and exits; it never unwinds into the parent
                 log.exception("worker %d failed", os.getpid())
             finally:
@@ -121,7 +136,11 @@ def supervise(count: int, socks: list[socket.socket], serve: Callable[[socket.so
         for slot in range(count):
             start(slot)
         while workers:
-            info = signal.sigwaitinfo(_SIGNALS)
+            info = signal.sigtimedwait(_SIGNALS, BEAT_EVERY)
+            if timeout and not stopping:
+                _kill_frozen(workers, beats, timeout)
+            if info is None:
+                continue
             if info.si_signo in (signal.SIGTERM, signal.SIGINT) and not stopping:
                 log.info("stopping %d workers (signal %d)", len(workers), info.si_signo)
                 stop_all()
@@ -158,6 +177,21 @@ def supervise(count: int, socks: list[socket.socket], serve: Callable[[socket.so
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         shutil.rmtree(metrics_dir, ignore_errors=True)
     return int(status)
+
+
+def _kill_frozen(workers: dict[int, int], beats: memoryview, timeout: float) -> None:
+    """SIGKILL each serving worker whose loop last beat ``timeout`` seconds ago or more (its death is
+    then handled as any other: a replacement on its socket, counted against the crash-loop limit)."""
+    now = time.monotonic()
+    for pid, slot in workers.items():
+        last = beats[slot]
+        if last and now - last >= timeout:
+            log.error("worker %d has not run its loop for %.0f s (frozen); killing it", pid, now - last)
+            beats[slot] = 0.0  # once
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _reap() -> list[tuple[int, int]]:

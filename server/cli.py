@@ -42,6 +42,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", metavar="K", help="PEM private key of --tls-cert")
     parser.add_argument("--workers", type=int, default=None, metavar="N",
                         help="worker processes sharing the port (default: the cores this process may use)")
+    parser.add_argument("--worker-timeout", type=float, default=20.0, metavar="S",
+                        help="with --workers N: a worker whose loop has not run for S seconds (frozen) is killed and "
+                             "replaced; 0: never (default: %(default)s)")
     parser.add_argument("--max-ids", type=int, default=4096, help="ids per batch request (default: %(default)s)")
     parser.add_argument("--max-concurrent", type=int, default=256, help="requests served at once (default: %(default)s)")
     parser.add_argument("--store-timeout", type=float, default=30.0, metavar="S", help="seconds per store call (default: %(default)s)")
@@ -116,6 +119,8 @@ def _serve(args: argparse.Namespace, workers: int) -> int:
 
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, not {workers}")
+    if args.worker_timeout < 0:
+        raise ConfigError(f"--worker-timeout must be >= 0, not {args.worker_timeout:g}")
     parse_store_url(args.store)  # a bad URL fails here, before binding
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("--tls-cert and --tls-key go together")
@@ -141,7 +146,7 @@ def _serve(args: argparse.Namespace, workers: int) -> int:
     scheme = "https" if tls else "http"
     shown = f"[{host}]" if ":" in host else host
     # from the announcement on, SIGTERM/SIGINT wait (blocked) until a loop handles them (``_run``); the
-    # parent of --workers N takes them with sigwaitinfo, and its workers inherit them blocked
+    # parent of --workers N takes them with sigtimedwait, and its workers inherit them blocked
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     print(f"dataferry serve: listening on {scheme}://{shown}:{port}", flush=True)
     access_log = None if args.no_access_log else logging.getLogger("aiohttp.access")
@@ -152,15 +157,16 @@ def _serve(args: argparse.Namespace, workers: int) -> int:
     from ._workers import supervise
 
     try:
-        return supervise(workers, socks, lambda sock, metrics_dir: _serve_worker(
-            args.store, options, sock, tls, access_log, metrics_dir))
+        return supervise(workers, socks, lambda sock, metrics_dir, beat: _serve_worker(
+            args.store, options, sock, tls, access_log, metrics_dir, beat), timeout=args.worker_timeout)
     finally:
         for s in socks:
             s.close()
 
 
 def _serve_one(store: str, options, sock: socket.socket, tls, access_log: logging.Logger | None,
-               metrics_dir: str | None = None, started: Callable[[], None] | None = None) -> None:
+               metrics_dir: str | None = None, started: Callable[[], None] | None = None,
+               beat: Callable[[], None] | None = None) -> None:
     """The app on ``sock`` in this process, on uvloop, until SIGTERM or SIGINT."""
     import asyncio
 
@@ -173,7 +179,7 @@ def _serve_one(store: str, options, sock: socket.socket, tls, access_log: loggin
     loop = new_event_loop()  # uvloop when installed
     asyncio.set_event_loop(loop)
     try:
-        loop.run_until_complete(_run(app, sock, tls, access_log, options.shutdown_grace, started))
+        loop.run_until_complete(_run(app, sock, tls, access_log, options.shutdown_grace, started, beat))
     finally:
         _close_loop(loop)
 
@@ -207,9 +213,9 @@ def keep_freed_memory() -> None:
 
 
 def _serve_worker(store: str, options, sock: socket.socket, tls, access_log: logging.Logger | None,
-                  metrics_dir: str) -> int:
+                  metrics_dir: str, beat: Callable[[], None]) -> int:
     """One worker of ``--workers N``: its exit status (``EXIT_NOT_STARTED`` if
-    it failed before serving)."""
+    it failed before serving); ``beat`` is called from its loop while it serves."""
     from ._workers import EXIT_NOT_STARTED
 
     serving = False
@@ -219,7 +225,7 @@ def _serve_worker(store: str, options, sock: socket.socket, tls, access_log: log
         serving = True
 
     try:
-        _serve_one(store, options, sock, tls, access_log, metrics_dir, started)
+        _serve_one(store, options, sock, tls, access_log, metrics_dir, started, beat)
     except Exception:  # noqa: BLE001 - the parent is told by the exit status; the cause is logged here
         logging.getLogger("dataferry.server").exception("worker %d %s", os.getpid(),
                                                         "failed" if serving else "could not start")
@@ -228,9 +234,10 @@ def _serve_worker(store: str, options, sock: socket.socket, tls, access_log: log
 
 
 async def _run(app, sock: socket.socket, tls, access_log: logging.Logger | None, grace: float,
-               started: Callable[[], None] | None = None) -> None:
+               started: Callable[[], None] | None = None, beat: Callable[[], None] | None = None) -> None:
     """Serve ``app`` on ``sock`` until SIGTERM or SIGINT; then stop accepting,
-    give in-flight responses ``grace`` seconds, and run the app's cleanup."""
+    give in-flight responses ``grace`` seconds, and run the app's cleanup.
+    ``beat``: called every ``BEAT_EVERY`` seconds while serving (the parent's watchdog)."""
     import asyncio
 
     from aiohttp import web
@@ -245,12 +252,25 @@ async def _run(app, sock: socket.socket, tls, access_log: logging.Logger | None,
             started()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        if beat is not None:
+            loop.create_task(_beating(beat), name="heartbeat")
         for sig in _STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # one that came while starting is handled now
         await stop.wait()
     finally:
         await runner.cleanup()
+
+
+async def _beating(beat: Callable[[], None]) -> None:
+    """``beat()`` now and every ``BEAT_EVERY`` seconds: this loop runs (``_workers.py``)."""
+    import asyncio
+
+    from ._workers import BEAT_EVERY
+
+    while True:
+        beat()
+        await asyncio.sleep(BEAT_EVERY)
 
 
 def _close_loop(loop: asyncio.AbstractEventLoop) -> None:

@@ -266,6 +266,39 @@ def test_a_killed_worker_is_restarted_and_its_counts_kept(served):
     assert s.stop() == 0
 
 
+def test_a_frozen_worker_is_killed_and_replaced_and_the_connections_queued_on_its_socket_are_answered(served):
+    """A worker whose loop stops (a deadlock; here SIGSTOP) keeps its socket in the kernel's
+    SO_REUSEPORT group, which goes on giving it new connections; nothing answered them. The parent
+    reads each worker's heartbeat and kills one silent for --worker-timeout, so it is replaced on the
+    same socket, and the replacement answers what queued there meanwhile."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    s = served("--workers", "2", "--worker-timeout", "2")
+    pids = s.workers(2)
+    ids = [x.id for x in make_samples(40, size=3000)]
+    os.kill(pids[0], signal.SIGSTOP)
+    start = time.monotonic()
+    with ThreadPoolExecutor(12) as pool:  # new connections: about half reach the frozen worker's socket
+        statuses = list(pool.map(lambda _: s.request("POST", "/v1/datasets/d/samples", encode_ids(ids[:5]), OCTETS)[0],
+                                 range(12)))
+    took = time.monotonic() - start
+    assert statuses == [200] * 12
+    assert took < 15, took  # the timeout (2 s), a look (1 s), a new worker's start
+    wait_gone([pids[0]])
+    now = s.workers(2)
+    assert pids[0] not in now and pids[1] in now
+    log = s.log.read_text()
+    assert f"worker {pids[0]} has not run its loop for" in log and "(frozen); killing it" in log
+    assert f"worker {pids[0]} was killed by SIGKILL; starting another" in log
+    assert s.stop() == 0
+
+
+def test_worker_timeout_must_not_be_negative(store_url, tmp_path):
+    run = subprocess.run([sys.executable, "-m", "dataferry.server", "--store", store_url, "--port", "0",
+                          "--workers", "2", "--worker-timeout", "-1"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stderr.strip() == "dataferry serve: --worker-timeout must be >= 0, not -1"
+
+
 def test_a_crash_loop_stops_the_server_with_status_1(served):
     s = served("--workers", "2")
     for _ in range(6):  # MAX_RESTARTS deaths are restarted; one more within the window stops the server
