@@ -5,8 +5,9 @@ store of 2,048 synthetic JPEGs (~110 KB) with ``serve --workers N`` on loopback,
 runs one Loader epoch to warm every worker, SIGSTOPs one worker (its kernel keeps
 accepting the connections ``SO_REUSEPORT`` gives it, and nothing answers them),
 then times ``--loaders`` fresh Loaders (default options, batches of 128), one epoch
-each, every epoch checked whole; ``--no-freeze`` runs the same without stopping
-anyone, the baseline. Each line: the epoch's seconds, the pool's requests sent
+each, every epoch checked whole; ``--no-freeze``: nobody stopped, the baseline.
+The server's watchdog is off unless ``--worker-timeout S``: by default this
+measures the client. Each line: the epoch's seconds, the pool's requests sent
 again on a new connection, the engine's hedges and retries. What it cannot show:
 a frozen process that also stops its kernel from accepting (a dead host), or a
 load balancer's own health checks. Results: ``bench/results/http_receive.md``.
@@ -34,11 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loaders", type=int, default=8)
     p.add_argument("--images", type=int, default=2048)
     p.add_argument("--no-freeze", action="store_true", help="stop no worker (the baseline)")
+    p.add_argument("--worker-timeout", type=float, default=0.0, metavar="S",
+                   help="the server's watchdog (serve --worker-timeout; default 0: off, the client alone)")
     args = p.parse_args(argv)
     from dataferry.client import Loader
 
     with prepared_store("sqlite", args.images) as (url, _, _), \
-            data_server(url, args=("--workers", str(args.workers))) as address:
+            data_server(url, args=("--workers", str(args.workers), "--worker-timeout", str(args.worker_timeout))) \
+            as address:
         base = f"http://{address[0]}:{address[1]}"
         with Loader(base, "bench", batch_size=128) as loader:  # every worker started and warm
             sum(len(b) for b in loader)
@@ -46,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_freeze:
             stopped = _children(address.pid)[0]
             os.kill(stopped, signal.SIGSTOP)
-        print(f"serve --workers {args.workers} at {base}: "
+        print(f"serve --workers {args.workers} --worker-timeout {args.worker_timeout:g} at {base}: "
               f"{'worker %d stopped (SIGSTOP)' % stopped if stopped else 'no worker stopped'}", flush=True)
         took = []
         try:
