@@ -16,6 +16,7 @@ load balancer's own health checks. Results: ``bench/results/http_receive.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import statistics
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{resent}, hedges {stats.hedges}, retries {stats.retries}", flush=True)
         finally:
             if stopped:
-                os.kill(stopped, signal.SIGCONT)
+                with contextlib.suppress(ProcessLookupError):  # the server's watchdog killed it
+                    os.kill(stopped, signal.SIGCONT)
     print(f"epochs: median {statistics.median(took):.2f} s, range {min(took):.2f}-{max(took):.2f} s "
           f"({len(took)} fresh Loaders)")
     return 0
