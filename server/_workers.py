@@ -137,7 +137,7 @@ def supervise(count: int, socks: list[socket.socket], serve: Callable[[socket.so
             start(slot)
         while workers:
             info = signal.sigtimedwait(_SIGNALS, BEAT_EVERY)
-            if timeout and not stopping:
+            if timeout:  # stopping too: a frozen worker never handles its SIGTERM, and the parent waited for good
                 _kill_frozen(workers, beats, timeout)
             if info is None:
                 continue
@@ -149,7 +149,7 @@ def supervise(count: int, socks: list[socket.socket], serve: Callable[[socket.so
                 _forget(pid, metrics_dir)
                 if stopping:
                     if code != 0:
-                        log.warning("worker %d exited with %s while stopping", pid, _describe(code))
+                        log.warning("worker %d %s while stopping", pid, _describe(code))
                         status = 1
                     continue
                 if code == EXIT_NOT_STARTED:

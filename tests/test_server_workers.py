@@ -293,6 +293,21 @@ def test_a_frozen_worker_is_killed_and_replaced_and_the_connections_queued_on_it
     assert s.stop() == 0
 
 
+def test_a_sigterm_with_a_frozen_worker_ends_the_server_instead_of_waiting_for_good(served):
+    """A frozen worker never handles the SIGTERM the parent passes on; the parent, waiting for every
+    worker to end, waited for good. The watchdog goes on while stopping: the worker is killed, and the
+    server exits 1 (a worker did not stop cleanly)."""
+    s = served("--workers", "2", "--worker-timeout", "2")
+    pids = s.workers(2)
+    os.kill(pids[0], signal.SIGSTOP)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(20) == 1
+    log = s.log.read_text()
+    assert f"worker {pids[0]} has not run its loop for" in log
+    assert f"worker {pids[0]} was killed by SIGKILL while stopping" in log, log
+    wait_gone(pids)
+
+
 def test_worker_timeout_must_not_be_negative(store_url, tmp_path):
     run = subprocess.run([sys.executable, "-m", "dataferry.server", "--store", store_url, "--port", "0",
                           "--workers", "2", "--worker-timeout", "-1"], capture_output=True, text=True, timeout=60)
