@@ -8,6 +8,7 @@ store's arrays in slices (no copy on little-endian hosts); batch fetch is in
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from aiohttp import web
 
@@ -20,6 +21,8 @@ from ._metrics import CONTENT_TYPE as METRICS_TYPE
 from ._metrics import exposition
 from ._samples import stream_samples
 from ._validate import name_param, no_query, read_ids
+
+log = logging.getLogger("dataferry.server")
 
 __all__ = ["routes"]
 
@@ -70,13 +73,15 @@ async def read_split(request: web.Request) -> web.StreamResponse:
     n = len(idlist)
     resp = web.StreamResponse(headers={"Content-Type": IDLIST_TYPE})
     resp.content_length = 16 + 12 * n
-    await resp.prepare(request)
     try:
+        await resp.prepare(request)  # in the guard too: the client may have gone while the store was read
         await resp.write(idlist_header(n))
         for part in idlist_parts(idlist):
             await resp.write(part)  # aiohttp awaits drain past 64 KiB: a slow client slows us
         await resp.write_eof()
-    except ConnectionError:
+    except ConnectionError as exc:
+        request.app[METRICS].errors.labels(error="client_disconnected").inc()
+        log.info("id list of %r split %r to %s abandoned: %s", name, split, request.remote, exc)
         return resp  # the client went away; aiohttp closes the connection
     request.app[METRICS].bytes.inc(16 + 12 * n)
     return resp

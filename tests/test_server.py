@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import signal
@@ -695,3 +696,48 @@ def test_load_bench_smoke(tmp_path):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "errors      0" in out.stdout and "us per sample" in out.stdout and "server RSS" in out.stdout
+
+
+class _HeldSplits(BrokenStore):
+    """``read_split`` waits until ``release`` is set: the client can leave before the answer's head."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.release = asyncio.Event()
+        self.asked = asyncio.Event()
+
+    async def read_split(self, dataset, split):
+        self.asked.set()
+        await self.release.wait()
+        return await self.inner.read_split(dataset, split)
+
+
+def test_a_client_gone_before_the_id_lists_head_is_one_info_line_not_a_traceback(tmp_path, caplog):
+    """The id list's head was written outside the route's ConnectionError guard: a client that left
+    while the store was read (one that gave up on a frozen worker, say) reached the errors middleware,
+    which logged a 500 with its traceback ("Cannot write to closing transport")."""
+
+    async def go():
+        async with await open_store(f"sqlite://{tmp_path / 's.db'}") as store:
+            await seed(store, "d", make_samples(20))
+            held = _HeldSplits(store)
+            async with serve(make_app(held)) as base:
+                host, port = base.removeprefix("http://").rsplit(":", 1)
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(f"GET /v1/datasets/d/splits/all HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+                await writer.drain()
+                await asyncio.wait_for(held.asked.wait(), 10)
+                writer.close()  # gone before the head
+                await asyncio.sleep(0.3)  # the server sees the connection end
+                held.release.set()
+                for _ in range(100):
+                    if any("abandoned" in r.getMessage() or r.levelname == "ERROR" for r in caplog.records):
+                        break
+                    await asyncio.sleep(0.02)
+
+    with caplog.at_level("INFO"):
+        run(go())
+    errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not errors, [(r.getMessage(), r.exc_info is not None) for r in errors]
+    gone = [r.getMessage() for r in caplog.records if "abandoned" in r.getMessage()]
+    assert len(gone) == 1 and gone[0].startswith("id list of 'd' split 'all' to 127.0.0.1 abandoned"), gone
