@@ -22,12 +22,7 @@ import signal
 import statistics
 import time
 
-from ._common import data_server, prepared_store
-
-
-def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as fh:
-        return [int(x) for x in fh.read().split()]
+from ._common import _proc_table, data_server, prepared_store
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             sum(len(b) for b in loader)
         stopped = None
         if not args.no_freeze:
-            stopped = _children(address.pid)[0]
+            stopped = _proc_table()[0][address.pid][0]
             os.kill(stopped, signal.SIGSTOP)
         print(f"serve --workers {args.workers} --worker-timeout {args.worker_timeout:g} at {base}: "
               f"{'worker %d stopped (SIGSTOP)' % stopped if stopped else 'no worker stopped'}", flush=True)

@@ -28,7 +28,7 @@ from ._options import ServerOptions
 from ._protocol import handler_args
 from ._routes import routes
 
-__all__ = ["make_app"]
+__all__ = ["make_app", "every"]
 
 log = logging.getLogger("dataferry.server")
 
@@ -49,7 +49,7 @@ def make_app(store: Store | str, options: ServerOptions = ServerOptions(), *,
         app[METRICS] = Metrics.register(app[REGISTRY])
     else:
         app[REGISTRY], sync_gc = shared_registry(metrics_dir)
-        app.cleanup_ctx.append(_every(GC_SYNC_S, sync_gc))
+        app.cleanup_ctx.append(every(GC_SYNC_S, sync_gc))
         # the values live in metrics_dir's files; this registry only keeps the names apart
         app[METRICS] = Metrics.register(CollectorRegistry())
     app.cleanup_ctx.append(_store_context(store))
@@ -78,15 +78,16 @@ def _store_context(store: Store | str) -> Callable[[web.Application], AsyncItera
     return store_lifetime
 
 
-def _every(seconds: float, fn: Callable[[], None]) -> Callable[[web.Application], AsyncIterator[None]]:
-    """A cleanup context that calls ``fn`` every ``seconds`` on the app's loop while it runs, and once more
-    at cleanup."""
+def every(seconds: float, fn: Callable[[], None]) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A cleanup context that calls ``fn`` on the app's loop when the app starts, every ``seconds``
+    while it runs, and once more at cleanup."""
     async def repeating(app: web.Application) -> AsyncIterator[None]:
         async def repeat() -> None:
             while True:
                 await asyncio.sleep(seconds)
                 fn()
 
+        fn()
         task = asyncio.get_running_loop().create_task(repeat(), name=f"every {seconds:g} s: {fn.__qualname__}")
         try:
             yield

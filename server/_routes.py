@@ -8,7 +8,6 @@ store's arrays in slices (no copy on little-endian hosts); batch fetch is in
 from __future__ import annotations
 
 import asyncio
-import logging
 
 from aiohttp import web
 
@@ -19,10 +18,8 @@ from ._errors import JSON_TYPE, error_body
 from ._keys import GATE, METRICS, REGISTRY
 from ._metrics import CONTENT_TYPE as METRICS_TYPE
 from ._metrics import exposition
-from ._samples import stream_samples
+from ._samples import client_gone, stream_samples
 from ._validate import name_param, no_query, read_ids
-
-log = logging.getLogger("dataferry.server")
 
 __all__ = ["routes"]
 
@@ -80,9 +77,8 @@ async def read_split(request: web.Request) -> web.StreamResponse:
             await resp.write(part)  # aiohttp awaits drain past 64 KiB: a slow client slows us
         await resp.write_eof()
     except ConnectionError as exc:
-        request.app[METRICS].errors.labels(error="client_disconnected").inc()
-        log.info("id list of %r split %r to %s abandoned: %s", name, split, request.remote, exc)
-        return resp  # the client went away; aiohttp closes the connection
+        client_gone(request, request.app[METRICS], f"id list of {name!r} split {split!r}", exc)
+        return resp
     request.app[METRICS].bytes.inc(16 + 12 * n)
     return resp
 

@@ -41,7 +41,7 @@ from ._gate import StoreGate
 from ._metrics import Metrics
 from ._options import ServerOptions
 
-__all__ = ["Outbox", "stream_samples"]
+__all__ = ["Outbox", "stream_samples", "client_gone"]
 
 log = logging.getLogger("dataferry.server")
 
@@ -198,6 +198,14 @@ async def _produce(gate: StoreGate, dataset: str, ids: np.ndarray, outbox: Outbo
         await it.aclose()
 
 
+def client_gone(request: web.Request, metrics: Metrics, what: str, exc: ConnectionError) -> None:
+    """A response whose client went away or stopped reading: counted, one INFO line, the connection dropped."""
+    metrics.errors.labels(error="client_disconnected").inc()
+    log.info("%s to %s abandoned: %s", what, request.remote, exc)
+    if request.transport is not None:
+        request.transport.abort()
+
+
 async def stream_samples(request: web.Request, gate: StoreGate, dataset: str, ids: np.ndarray) -> web.StreamResponse:
     """Fetch ``ids`` and stream their records back as they complete."""
     options: ServerOptions = gate.options
@@ -236,11 +244,7 @@ async def stream_samples(request: web.Request, gate: StoreGate, dataset: str, id
     except ConnectionError as exc:
         if resp is None:
             raise
-        # the client went away or stopped reading: drop the connection, quietly
-        metrics.errors.labels(error="client_disconnected").inc()
-        log.info("batch fetch from %r to %s abandoned: %s", dataset, request.remote, exc)
-        if request.transport is not None:
-            request.transport.abort()
+        client_gone(request, metrics, f"batch fetch from {dataset!r}", exc)
         return resp
     finally:
         if not producer.done():

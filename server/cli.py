@@ -167,19 +167,24 @@ def _serve(args: argparse.Namespace, workers: int) -> int:
 def _serve_one(store: str, options, sock: socket.socket, tls, access_log: logging.Logger | None,
                metrics_dir: str | None = None, started: Callable[[], None] | None = None,
                beat: Callable[[], None] | None = None) -> None:
-    """The app on ``sock`` in this process, on uvloop, until SIGTERM or SIGINT."""
+    """The app on ``sock`` in this process, on uvloop, until SIGTERM or SIGINT; ``beat`` (a worker's):
+    called from its loop every ``BEAT_EVERY`` seconds."""
     import asyncio
 
     from dataferry.schema import new_event_loop
 
-    from ._app import make_app
+    from ._app import every, make_app
 
     keep_freed_memory()
     app = make_app(store, options, metrics_dir=metrics_dir)
+    if beat is not None:  # the parent's watchdog: from the store's opening (the contexts before) to cleanup
+        from ._workers import BEAT_EVERY
+
+        app.cleanup_ctx.append(every(BEAT_EVERY, beat))
     loop = new_event_loop()  # uvloop when installed
     asyncio.set_event_loop(loop)
     try:
-        loop.run_until_complete(_run(app, sock, tls, access_log, options.shutdown_grace, started, beat))
+        loop.run_until_complete(_run(app, sock, tls, access_log, options.shutdown_grace, started))
     finally:
         _close_loop(loop)
 
@@ -234,10 +239,9 @@ def _serve_worker(store: str, options, sock: socket.socket, tls, access_log: log
 
 
 async def _run(app, sock: socket.socket, tls, access_log: logging.Logger | None, grace: float,
-               started: Callable[[], None] | None = None, beat: Callable[[], None] | None = None) -> None:
+               started: Callable[[], None] | None = None) -> None:
     """Serve ``app`` on ``sock`` until SIGTERM or SIGINT; then stop accepting,
-    give in-flight responses ``grace`` seconds, and run the app's cleanup.
-    ``beat``: called every ``BEAT_EVERY`` seconds while serving (the parent's watchdog)."""
+    give in-flight responses ``grace`` seconds, and run the app's cleanup."""
     import asyncio
 
     from aiohttp import web
@@ -252,25 +256,12 @@ async def _run(app, sock: socket.socket, tls, access_log: logging.Logger | None,
             started()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        if beat is not None:
-            loop.create_task(_beating(beat), name="heartbeat")
         for sig in _STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # one that came while starting is handled now
         await stop.wait()
     finally:
         await runner.cleanup()
-
-
-async def _beating(beat: Callable[[], None]) -> None:
-    """``beat()`` now and every ``BEAT_EVERY`` seconds: this loop runs (``_workers.py``)."""
-    import asyncio
-
-    from ._workers import BEAT_EVERY
-
-    while True:
-        beat()
-        await asyncio.sleep(BEAT_EVERY)
 
 
 def _close_loop(loop: asyncio.AbstractEventLoop) -> None:

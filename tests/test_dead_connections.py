@@ -41,11 +41,10 @@ class SilentDropRelay(RawHttpServer):
     read and dropped, nothing closed): a frozen server process whose kernel
     still accepts."""
 
-    def __init__(self, port: int, drop_after: float, reset: bool = False) -> None:
-        self.port, self.drop_after, self.reset = port, drop_after, reset
+    def __init__(self, port: int, drop_after: float, reset: bool = False, mute_next: int = 0) -> None:
+        self.port, self.drop_after, self.reset, self.mute_next = port, drop_after, reset, mute_next
         self.dropped = 0  # flows dropped
         self.flows = 0  # flows opened
-        self.mute_next = 0
 
     async def handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
         self.flows += 1
@@ -89,8 +88,7 @@ class SilentDropRelay(RawHttpServer):
 def relayed(port: int, drop_after: float = DROP_AFTER, reset: bool = False, mute_next: int = 0):
     """A SilentDropRelay to ``port`` in a loop thread: (its URL, the relay)."""
     loop = LoopThread("test-relay")
-    relay = SilentDropRelay(port, drop_after, reset)
-    relay.mute_next = mute_next
+    relay = SilentDropRelay(port, drop_after, reset, mute_next)
     try:
         url = loop.call(relay.__aenter__(), timeout=10)
         yield url, relay
