@@ -578,16 +578,19 @@ class LatencyProxy:
     with a reset, is logged, and the proxy keeps serving. ``stall_log``: log
     (INFO) each connection whose request has had no byte back for that many
     seconds, and where the request is (``_Connection.check_stall``); None: off.
+    ``sock``: a bound, listening socket to accept on instead of ``listen`` (one of
+    several ``SO_REUSEPORT`` sockets, one per proxy process).
     """
 
     def __init__(self, upstream: Address, link: LinkOptions = LinkOptions(), listen: Address = ("127.0.0.1", 0),
-                 *, stall_log: float | None = None) -> None:
+                 *, stall_log: float | None = None, sock: socket.socket | None = None) -> None:
         _check(stall_log is None or (isinstance(stall_log, (int, float)) and math.isfinite(stall_log) and stall_log > 0),
                f"stall_log must be a positive number of seconds or None, not {stall_log!r}")
         self.upstream = (upstream[0], int(upstream[1]))
         self.link = link
         self._listen = (listen[0], int(listen[1]))
         self._stall_log = stall_log
+        self._sock = sock
         self._watch: asyncio.TimerHandle | None = None
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[_Connection] = set()
@@ -605,7 +608,10 @@ class LatencyProxy:
         host, port = self._listen
         loop = asyncio.get_running_loop()
         try:
-            self._server = await loop.create_server(lambda: _Connection(self).client, host, port)
+            if self._sock is not None:
+                self._server = await loop.create_server(lambda: _Connection(self).client, sock=self._sock)
+            else:
+                self._server = await loop.create_server(lambda: _Connection(self).client, host, port)
         except OSError as exc:
             raise OSError(exc.errno, f"latency proxy cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
         self.address = self._server.sockets[0].getsockname()[:2]
@@ -668,7 +674,7 @@ class ProxyThread:
     """
 
     def __init__(self, upstream: Address, link: LinkOptions = LinkOptions(), listen: Address = ("127.0.0.1", 0),
-                 *, stall_log: float | None = None) -> None:
+                 *, stall_log: float | None = None, sock: socket.socket | None = None) -> None:
         self._proxy = LatencyProxy(upstream, link, listen, stall_log=stall_log)
         self._finalizer: weakref.finalize | None = None
 

@@ -48,9 +48,11 @@ class Condition:
 
 
 @contextlib.contextmanager
-def _proxies(cond: Condition, *, host: str, wrap: tuple[str, ...], rate: bool, window: str | None = None):
-    """Yield a route that starts one latency-proxy process per upstream, listening on ``host``;
-    ``window``: the proxies' ``--window`` (None: theirs, the kernel's tcp_rmem maximum)."""
+def _proxies(cond: Condition, *, host: str, wrap: tuple[str, ...], rate: bool, window: str | None = None,
+             processes: int = 1):
+    """Yield a route that starts one latency proxy per upstream, listening on ``host``;
+    ``window``: the proxies' ``--window`` (None: theirs, the kernel's tcp_rmem maximum);
+    ``processes``: their ``--processes`` (each proxy relays in that many processes)."""
     with contextlib.ExitStack() as stack:
         proxies: dict[Address, Address] = {}
 
@@ -63,6 +65,8 @@ def _proxies(cond: Condition, *, host: str, wrap: tuple[str, ...], rate: bool, w
                     cmd += ["--rate", cond.rate]
                 if window is not None:
                     cmd += ["--window", window]
+                if processes != 1:
+                    cmd += ["--processes", str(processes)]
                 proxies[upstream] = stack.enter_context(announced(cmd, "the latency proxy"))
             return proxies[upstream]
 
@@ -79,15 +83,17 @@ class ProxyLink:
     host = "127.0.0.1"  # where servers listen
     wrap: tuple[str, ...] = ()  # how server commands are started
 
-    def __init__(self, window: str | None = None) -> None:
+    def __init__(self, window: str | None = None, processes: int = 1) -> None:
         self.window = window  # the proxies' TCP window (latency-proxy --window); None: their default
+        self.processes = processes  # latency-proxy --processes: one Python process relays ~1 GB/s at most
 
     def unsupported(self, cond: Condition) -> str | None:
         """Why ``cond`` cannot be emulated here, or None."""
         return _NO_LOSS if cond.loss_pct else None
 
     def emulate(self, cond: Condition):
-        return _proxies(cond, host=self.host, wrap=self.wrap, rate=True, window=self.window)
+        return _proxies(cond, host=self.host, wrap=self.wrap, rate=self.processes == 1, window=self.window,
+                        processes=self.processes)
 
     @contextlib.contextmanager
     def cassandra(self, images: int):

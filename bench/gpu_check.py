@@ -2,7 +2,8 @@
 
     python -m dataferry.bench.gpu_check [--images 256] [--batch 128] [--runs 3] [--device-id 0]
     python -m dataferry.bench.gpu_check --e2e [--images 4096] [--rtts 0,100,200] [--epochs 3] [--out DIR]
-        [--iterators dali,torch] [--jpeg2000-images N] [--server-workers N] [--profile-rtt MS] [--prefetch max_bytes=2GiB ...]
+        [--iterators dali,torch] [--jpeg2000-images N] [--server-workers N] [--proxy-processes N,N]
+        [--profile-rtt MS] [--prefetch max_bytes=2GiB ...]
     python -m dataferry.bench.gpu_check --allow-cpu     # no GPU: the same on DALI's CPU path
 
 On a CUDA GPU: the mixed decoder's agreement with Pillow (PSNR ≥ ``--min-psnr``),
@@ -275,6 +276,9 @@ def _arguments() -> argparse.ArgumentParser:
     e2e.add_argument("--engines", default="thread", metavar="thread,process",
                      help="the Loader's engine in this process (thread) and/or in its own (process: "
                           "ProcessLoader), alternated at each RTT (default thread)")
+    e2e.add_argument("--proxy-processes", default=None, metavar="N,N,...",
+                     help="latency-proxy --processes: the link's relay processes; several counts are alternated "
+                          "at each RTT (default: a quarter of the cores, 1 to 4)")
     e2e.add_argument("--profile-rtt", type=float, default=None, metavar="MS",
                      help="one more DALI run at this RTT under a sampling profiler of every Python thread "
                           "(gpu_e2e_profile.txt; not in the table)")

@@ -15,6 +15,7 @@ Method details: bench/README.md, "Methods".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -53,6 +54,11 @@ class E2EOptions:
     profile_rtt: float | None = None  # one more DALI run at this RTT under the sampling profiler (not in the table)
     prefetch: tuple[str, ...] = ("default",)  # Prefetch settings ("max_bytes=2GiB,request_size=64"), alternated per RTT
     engines: tuple[str, ...] = ("thread",)  # thread: Loader (engine in-process); process: ProcessLoader; alternated
+    #: latency-proxy --processes, one proxy each, alternated per RTT; () means (default_proxy_processes(),)
+    proxy_processes: tuple[int, ...] = ()
+
+    def proxies(self) -> tuple[int, ...]:
+        return self.proxy_processes or (default_proxy_processes(),)
 
     def prefetches(self) -> list:
         """``(label, Prefetch)`` of each ``prefetch`` setting."""
@@ -68,6 +74,8 @@ class E2EOptions:
         self.prefetches()  # each setting parses
         if not self.engines or set(self.engines) - {"thread", "process"}:
             raise ValueError(f"--engines takes thread and/or process, not {','.join(self.engines)!r}")
+        if any(not isinstance(n, int) or n < 1 for n in self.proxy_processes):
+            raise ValueError(f"--proxy-processes must be counts >= 1, not {self.proxy_processes!r}")
         if not self.rtts_ms or any(not (math.isfinite(r) and r >= 0) for r in self.rtts_ms):
             raise ValueError(f"--rtts must be round trips in ms >= 0, not {self.rtts_ms!r}")
 
@@ -84,7 +92,23 @@ class E2EOptions:
                    iterators=tuple(i.strip() for i in args.iterators.split(",") if i.strip()),
                    jpeg2000_images=args.jpeg2000_images, server_workers=args.server_workers,
                    profile_rtt=args.profile_rtt, prefetch=tuple(args.prefetch or ("default",)),
-                   engines=tuple(e.strip() for e in args.engines.split(",") if e.strip()))
+                   engines=tuple(e.strip() for e in args.engines.split(",") if e.strip()),
+                   proxy_processes=_counts(args.proxy_processes, "--proxy-processes"))
+
+
+def _counts(text: str | None, flag: str) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(int(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        raise ValueError(f"{flag} must be counts separated by commas, e.g. 1,4, not {text!r}") from None
+
+
+def default_proxy_processes() -> int:
+    """A quarter of the cores, 1 to 4: one Python process relays about 1 GB/s on a fast core (the
+    proxy's CPU is printed with each row), under the 2+ GB/s a GPU job's 20k images/s of 110 KB need."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +123,8 @@ class RttResult:
     first_batch_s: float
     client_cpu_s: float
     server_cpu_s: float
+    proxy_cpu_s: float  # every latency-proxy process of the link, over the run
+    proxy_processes: int
     ceiling: float  # images/s, DALI from memory
     loader: dict  # Loader.stats() at the last batch
     threads: tuple  # ((thread name, CPU s), ...): this process's busiest threads over the run
@@ -217,14 +243,18 @@ def _iterator(kind: str, loader, options, device: str, device_id: int | None):
 
 def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: str, device_id: int | None,
                 options, opts: E2EOptions, server_pid: int, ceiling: float, *, kind: str = "dali",
-                codec: str = "jpeg", prefetch=("default", None), engine: str = "thread") -> RttResult:
+                codec: str = "jpeg", prefetch=("default", None), engine: str = "thread",
+                proxy: tuple[int, int] | None = None) -> RttResult:
     """``opts.epochs`` epochs of Loader (HTTP, through the proxy) → ``kind``'s iterator → tensors on ``device``;
-    ``engine="process"``: ProcessLoader, whose engine process's CPU joins the client's."""
+    ``engine="process"``: ProcessLoader, whose engine process's CPU joins the client's; ``proxy``: the
+    link's (pid, processes), whose CPU is reported apart."""
     from dataferry.client import Loader, ProcessLoader
 
     sync = _synchronizer(device, device_id)
     counts, ends = [], []
     first = None
+    proxy_pid, proxies = proxy or (None, 0)
+    p0 = 0.0 if proxy_pid is None else process_cpu_s(proxy_pid)
     c0, s0, th0 = time.process_time(), process_cpu_s(server_pid), thread_cpu()
     t0 = time.perf_counter()
     label_p, setting = prefetch
@@ -249,14 +279,16 @@ def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: s
                                        f"({len(seen)} distinct) of {images}")
                 counts.append(n)
             client_cpu, server_cpu = time.process_time() - c0, process_cpu_s(server_pid) - s0
+            proxy_cpu = 0.0 if proxy_pid is None else process_cpu_s(proxy_pid) - p0
             if engine == "process":  # the engine process's CPU since its spawn (its imports included)
                 client_cpu += process_cpu_s(loader.engine_pid)
             threads = tuple(cpu_by_thread(th0, thread_cpu()))
         stats = loader.stats().as_dict()
     path = f"{kind} {codec}" + ("" if label_p == "default" else f" [{label_p}]") + \
-        ("" if engine == "thread" else " [process]")
+        ("" if engine == "thread" else " [process]") + \
+        ("" if len(opts.proxies()) < 2 else f" [proxy x{proxies}]")
     return RttResult(rtt_ms, path, label, sum(counts), tuple(counts), ends[-1] - t0, ends[0] - t0,
-                     first, client_cpu, server_cpu, ceiling, stats, threads)
+                     first, client_cpu, server_cpu, proxy_cpu, proxies, ceiling, stats, threads)
 
 
 def _warm(url: str, images: int) -> None:
@@ -303,7 +335,8 @@ def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, co
         say(f"{len(blobs)} synthetic JPEGs (mean {mean_kb:.0f} KB) ingested into {store_url} "
             f"in {time.perf_counter() - t:.1f} s; batch {opts.batch}, {opts.epochs} epoch(s) per RTT; "
             f"DALI on {label}: {_decoding(options, device, device_id)}; {os.cpu_count()} CPUs; "
-            f"`dataferry serve {' '.join(server_args) or '(default workers)'}`")
+            f"`dataferry serve {' '.join(server_args) or '(default workers)'}`; "
+            f"`dataferry latency-proxy --processes {','.join(map(str, opts.proxies()))}`")
         agreed = check_decoder(blobs, device, device_id, opts.min_psnr)
         lines.append(f"decoder vs Pillow: {agreed.describe()}")
         ceiling = decode_ceiling(blobs, device, device_id, options, opts.batch, opts.runs)
@@ -332,20 +365,26 @@ def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, co
                 (host, port), pid = server, server.pid
                 _warm(f"http://{host}:{port}", n)
                 for rtt in opts.rtts_ms:
-                    with ProxyLink().emulate(Condition(rtt_ms=rtt)) as route:
-                        phost, pport = route((host, port))
+                    with contextlib.ExitStack() as links:
+                        routes = []
+                        for nproc in opts.proxies():  # one proxy (of nproc processes) each, alternated below
+                            listening = links.enter_context(
+                                ProxyLink(processes=nproc).emulate(Condition(rtt_ms=rtt)))((host, port))
+                            routes.append((f"http://{listening[0]}:{listening[1]}", (listening.pid, nproc)))
                         link = LinkOptions(delay=rtt / 2000)
-                        print(f"  {codec}, {rtt:g} ms RTT: http://{phost}:{pport} ({link.describe()}) -> "
+                        print(f"  {codec}, {rtt:g} ms RTT: {', '.join(u for u, _ in routes)} ({link.describe()}) -> "
                               f"http://{host}:{port} ...", flush=True)
                         for kind in kinds:
                             for prefetch in opts.prefetches():  # alternated, on the same server and link
                                 for engine in opts.engines:
-                                    done(measure_rtt(f"http://{phost}:{pport}", n, rtt, label, device, device_id,
-                                                     options, opts, pid, ceil, kind=kind, codec=codec,
-                                                     prefetch=prefetch, engine=engine))
+                                    for url_p, proxy in routes:
+                                        done(measure_rtt(url_p, n, rtt, label, device, device_id, options, opts, pid,
+                                                         ceil, kind=kind, codec=codec, prefetch=prefetch,
+                                                         engine=engine, proxy=proxy))
+                        phost_url = routes[0][0]
                         if codec == "jpeg" and rtt == opts.profile_rtt:
                             with Sampler() as sampler:
-                                profiled = measure_rtt(f"http://{phost}:{pport}", n, rtt, label, device, device_id,
+                                profiled = measure_rtt(phost_url, n, rtt, label, device, device_id,
                                                        options, opts, pid, ceil, kind="dali", codec=codec)
                             profile = (f"# sampling profile: dali jpeg at {rtt:g} ms RTT, {profiled.total:,.0f} images/s "
                                        f"under the profiler\n\n" + sampler.report())
@@ -362,7 +401,9 @@ def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, co
             f"the iterator waited on the loader {s['wait_fraction']:.0%} of the time, "
             f"peak {s['peak_bytes'] / 2**20:.0f} MiB, the byte budget full {s['budget_full']:.1f} s and the window "
             f"full {s['window_full']:.1f} s of {s['elapsed']:.1f}, retries {s['retries']}; received {r.served:,.0f} images "
-            f"for {s['samples']:,} delivered (the rest: look-ahead past the last epoch)")
+            f"for {s['samples']:,} delivered (the rest: look-ahead past the last epoch); the latency proxy "
+            f"({r.proxy_processes} process{'es' if r.proxy_processes > 1 else ''}) used "
+            f"{r.proxy_cpu_s / r.seconds_total:.2f} cores, {r.proxy_cpu_s / max(r.served, 1) * 1e6:,.0f} us/image")
         say("    client CPU us/image by thread: " + ", ".join(
             f"{name} {cpu / r.images * 1e6:,.0f}" for name, cpu in r.threads if cpu > 0))
     if profile:

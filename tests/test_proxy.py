@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import importlib.util
 import logging
+import os
 import random
 import signal
 import socket
@@ -631,6 +632,10 @@ def test_cli_arguments_and_bad_values():
         cli(_cli_args("--upstream", "127.0.0.1", "--delay", "5ms"))
     with pytest.raises(ConfigError, match="rate"):
         cli(_cli_args("--upstream", "127.0.0.1:9042", "--rate", "100Mbps"))
+    with pytest.raises(ConfigError, match="--processes must be at least 1, not 0"):
+        cli(_cli_args("--upstream", "127.0.0.1:9042", "--processes", "0"))
+    with pytest.raises(ConfigError, match="--rate with --processes > 1"):
+        cli(_cli_args("--upstream", "127.0.0.1:9042", "--rate", "1gbit", "--processes", "2"))
 
 
 def test_cli_reports_a_port_in_use():
@@ -693,6 +698,94 @@ def test_cli_serves_until_sigterm_then_exits_cleanly():
                 proc.kill()
             out, err = proc.communicate()
         assert "Traceback" not in err
+
+
+# -- several relay processes (--processes N) ----------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as fh:
+        return [int(p) for p in fh.read().split()]
+
+
+def _accepted(pid: int, port: int) -> int:
+    """Established TCP connections to local ``port`` (IPv4) that process ``pid`` holds."""
+    with open("/proc/net/tcp") as fh:
+        inodes = {f.split()[9] for f in list(fh)[1:]
+                  if f.split()[1].endswith(f":{port:04X}") and f.split()[3] == "01"}
+    held = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            held.add(os.readlink(f"/proc/{pid}/fd/{fd}").removeprefix("socket:[").removesuffix("]"))
+    return len(inodes & held)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@contextlib.contextmanager
+def _proxy_processes(upstream, n: int, *extra: str):
+    """``latency-proxy --processes n`` in front of ``upstream``: yields (Popen, port, relay pids)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CLI_MAIN, "--upstream", f"{upstream[0]}:{upstream[1]}", "--processes", str(n), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert f"in {n} processes" in line, line + proc.stderr.read()
+        port = int(line.split("listening on 127.0.0.1:")[1].split()[0])
+        relays = _children(proc.pid)
+        assert len(relays) == n - 1
+        yield proc, port, relays
+    finally:
+        for pid in [proc.pid, *(_children(proc.pid) if proc.poll() is None else ())]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.communicate()
+
+
+def test_several_relay_processes_share_the_port_each_delays_and_all_stop_on_sigterm():
+    with threaded_echo() as up, _proxy_processes(up, 3, "--delay", "10ms") as (proc, port, relays):
+        conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+        try:
+            for sock in conns:  # each connection is relayed with the delay, whichever process took it
+                start = time.monotonic()
+                sock.sendall(b"hi")
+                assert sock.recv(2) == b"hi"
+                assert time.monotonic() - start >= 0.02
+            took = {pid: _accepted(pid, port) for pid in (proc.pid, *relays)}
+            assert all(took.values()) and sum(took.values()) == len(conns), took  # the kernel spread them
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(10) == 0
+            deadline = time.monotonic() + 5
+            while any(map(_alive, relays)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not any(map(_alive, relays))
+        finally:
+            for sock in conns:
+                sock.close()
+        assert "Traceback" not in proc.stderr.read()
+
+
+def test_a_relay_process_that_dies_stops_the_proxy_and_its_relays_die_with_the_first():
+    with threaded_echo() as up:
+        with _proxy_processes(up, 3) as (proc, port, relays):
+            os.kill(relays[0], signal.SIGKILL)
+            assert proc.wait(10) == 1
+            err = proc.stderr.read()
+            assert f"latency proxy process {relays[0]} exited (killed by SIGKILL); stopping the rest" in err, err
+            assert not _alive(relays[1])
+        with _proxy_processes(up, 2) as (proc, port, relays):  # the first killed: the relay goes with it
+            proc.kill()
+            proc.wait(10)
+            deadline = time.monotonic() + 5
+            while _alive(relays[0]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not _alive(relays[0])
 
 
 # -- the TCP window -------------------------------------------------------------
