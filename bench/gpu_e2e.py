@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from ._common import data_server, prefetch_of, process_cpu_s, table
-from ._links import Condition, ProxyLink
+from ._links import Condition, ProxyLink, default_proxy_processes
 from ._threadprof import Sampler, cpu_by_thread, thread_cpu
 from .decode import median_seconds, pipeline_epoch, read_files
 from .gpu_check import MIN_PSNR, check_decoder
@@ -103,12 +103,6 @@ def _counts(text: str | None, flag: str) -> tuple[int, ...]:
         return tuple(int(n) for n in text.split(",") if n.strip())
     except ValueError:
         raise ValueError(f"{flag} must be counts separated by commas, e.g. 1,4, not {text!r}") from None
-
-
-def default_proxy_processes() -> int:
-    """A quarter of the cores, 1 to 4: one Python process relays about 1 GB/s on a fast core (the
-    proxy's CPU is printed with each row), under the 2+ GB/s a GPU job's 20k images/s of 110 KB need."""
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 @dataclass(frozen=True, slots=True)
