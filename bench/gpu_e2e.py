@@ -397,7 +397,8 @@ def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, co
             f"full {s['window_full']:.1f} s of {s['elapsed']:.1f}, retries {s['retries']}; received {r.served:,.0f} images "
             f"for {s['samples']:,} delivered (the rest: look-ahead past the last epoch); the latency proxy "
             f"({r.proxy_processes} process{'es' if r.proxy_processes > 1 else ''}) used "
-            f"{r.proxy_cpu_s / r.seconds_total:.2f} cores, {r.proxy_cpu_s / max(r.served, 1) * 1e6:,.0f} us/image")
+            f"{r.proxy_cpu_s / r.seconds_total:.2f} cores (mean over the run), "
+            f"{r.proxy_cpu_s / max(r.served, 1) * 1e6:,.0f} us/image")
         say("    client CPU us/image by thread: " + ", ".join(
             f"{name} {cpu / r.images * 1e6:,.0f}" for name, cpu in r.threads if cpu > 0))
     if profile:
