@@ -273,9 +273,9 @@ def _arguments() -> argparse.ArgumentParser:
     e2e.add_argument("--prefetch", action="append", metavar="default|KEY=VALUE,...",
                      help="a Prefetch setting to measure (repeatable; alternated at each RTT): default, or e.g. "
                           "max_bytes=2GiB,request_size=64")
-    e2e.add_argument("--engines", default="thread", metavar="thread,process",
+    e2e.add_argument("--engines", default="thread", metavar="thread,process,process:N",
                      help="the Loader's engine in this process (thread) and/or in its own (process: "
-                          "ProcessLoader), alternated at each RTT (default thread)")
+                          "ProcessLoader; process:N: N engine processes), alternated at each RTT (default thread)")
     e2e.add_argument("--proxy-processes", default=None, metavar="N,N,...",
                      help="latency-proxy --processes: the link's relay processes; several counts are alternated "
                           "at each RTT (default: a quarter of the cores, 1 to 4)")

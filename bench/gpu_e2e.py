@@ -53,7 +53,7 @@ class E2EOptions:
     server_workers: int | None = None  # `dataferry serve --workers` (None: its default, the usable cores)
     profile_rtt: float | None = None  # one more DALI run at this RTT under the sampling profiler (not in the table)
     prefetch: tuple[str, ...] = ("default",)  # Prefetch settings ("max_bytes=2GiB,request_size=64"), alternated per RTT
-    engines: tuple[str, ...] = ("thread",)  # thread: Loader (engine in-process); process: ProcessLoader; alternated
+    engines: tuple[str, ...] = ("thread",)  # thread: Loader; process: ProcessLoader; process:N: N engines; alternated
     #: latency-proxy --processes, one proxy each, alternated per RTT; () means (default_proxy_processes(),)
     proxy_processes: tuple[int, ...] = ()
 
@@ -72,8 +72,8 @@ class E2EOptions:
         if self.jpeg2000_images < 0 or (self.server_workers is not None and self.server_workers < 1):
             raise ValueError("--jpeg2000-images must be >= 0 and --server-workers >= 1")
         self.prefetches()  # each setting parses
-        if not self.engines or set(self.engines) - {"thread", "process"}:
-            raise ValueError(f"--engines takes thread and/or process, not {','.join(self.engines)!r}")
+        if not self.engines or any(_engine_count(e) is None for e in self.engines):
+            raise ValueError(f"--engines takes thread, process and process:N, not {','.join(self.engines)!r}")
         if any(not isinstance(n, int) or n < 1 for n in self.proxy_processes):
             raise ValueError(f"--proxy-processes must be counts >= 1, not {self.proxy_processes!r}")
         if not self.rtts_ms or any(not (math.isfinite(r) and r >= 0) for r in self.rtts_ms):
@@ -94,6 +94,17 @@ class E2EOptions:
                    profile_rtt=args.profile_rtt, prefetch=tuple(args.prefetch or ("default",)),
                    engines=tuple(e.strip() for e in args.engines.split(",") if e.strip()),
                    proxy_processes=_counts(args.proxy_processes, "--proxy-processes"))
+
+
+def _engine_count(engine: str) -> int | None:
+    """``thread``: 0 (the engine in this process); ``process``: 1; ``process:N``: N engine processes;
+    None: not an engine setting."""
+    kind, _, n = engine.partition(":")
+    if kind == "thread" and not n:
+        return 0
+    if kind == "process" and (not n or (n.isdigit() and int(n) >= 1)):
+        return int(n or 1)
+    return None
 
 
 def _counts(text: str | None, flag: str) -> tuple[int, ...]:
@@ -240,7 +251,8 @@ def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: s
                 codec: str = "jpeg", prefetch=("default", None), engine: str = "thread",
                 proxy: tuple[int, int] | None = None) -> RttResult:
     """``opts.epochs`` epochs of Loader (HTTP, through the proxy) → ``kind``'s iterator → tensors on ``device``;
-    ``engine="process"``: ProcessLoader, whose engine process's CPU joins the client's; ``proxy``: the
+    ``engine="process"`` (or ``"process:N"``): ProcessLoader (with N engines), whose engine processes' CPU joins
+    the client's; ``proxy``: the
     link's (pid, processes), whose CPU is reported apart."""
     from dataferry.client import Loader, ProcessLoader
 
@@ -252,8 +264,9 @@ def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: s
     c0, s0, th0 = time.process_time(), process_cpu_s(server_pid), thread_cpu()
     t0 = time.perf_counter()
     label_p, setting = prefetch
-    make = ProcessLoader if engine == "process" else Loader
-    with make(link_url, DATASET, batch_size=opts.batch, **({} if setting is None else {"prefetch": setting})) as loader:
+    engines = _engine_count(engine)
+    kw = ({} if setting is None else {"prefetch": setting}) | ({"engines": engines} if engines > 1 else {})
+    with (ProcessLoader if engines else Loader)(link_url, DATASET, batch_size=opts.batch, **kw) as loader:
         it, to_device = _iterator(kind, loader, options, device, device_id)
         with it:
             for epoch in range(opts.epochs):
@@ -274,12 +287,12 @@ def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: s
                 counts.append(n)
             client_cpu, server_cpu = time.process_time() - c0, process_cpu_s(server_pid) - s0
             proxy_cpu = 0.0 if proxy_pid is None else process_cpu_s(proxy_pid) - p0
-            if engine == "process":  # the engine process's CPU since its spawn (its imports included)
-                client_cpu += process_cpu_s(loader.engine_pid)
+            if engines:  # the engine processes' CPU since their spawn (their imports included)
+                client_cpu += sum(map(process_cpu_s, loader.engine_pids))
             threads = tuple(cpu_by_thread(th0, thread_cpu()))
         stats = loader.stats().as_dict()
     path = f"{kind} {codec}" + ("" if label_p == "default" else f" [{label_p}]") + \
-        ("" if engine == "thread" else " [process]") + \
+        ("" if engine == "thread" else f" [{engine}]") + \
         ("" if len(opts.proxies()) < 2 else f" [proxy x{proxies}]")
     return RttResult(rtt_ms, path, label, sum(counts), tuple(counts), ends[-1] - t0, ends[0] - t0,
                      first, client_cpu, server_cpu, proxy_cpu, proxies, ceiling, stats, threads)

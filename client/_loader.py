@@ -248,9 +248,11 @@ class Loader:
 
     def _plan_for(self, epoch: int) -> EpochPlan:
         if self._plan is None or self._plan.epoch != epoch:
-            ids = self._idlist()
-            self._plan = make_plan(ids, epoch, self.plan_options, digest=self._digest)
+            self._plan = self._make_plan(epoch)
         return self._plan
+
+    def _make_plan(self, epoch: int) -> EpochPlan:  # (an engine process's shard of the plan: _subprocess.py)
+        return make_plan(self._idlist(), epoch, self.plan_options, digest=self._digest)
 
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
@@ -295,16 +297,11 @@ class Loader:
         def emit(item, gen=gen):
             q.put((gen, item))
 
-        idlist, options, digest = self._idlist(), self.plan_options, self._digest
-
-        def next_plan(epoch: int) -> EpochPlan:
-            return make_plan(idlist, epoch, options, digest=digest)
-
         run = Run(
             self._source, self.dataset, plan,
             batch_size=self.batch_size, drop_last=self.drop_last, in_order=self.order == "input",
             prefetch=self.prefetch, retry=self.retry, hedge=self.hedge, errors=self.errors,
-            counters=self._counters, emit=emit, done=self._delivered, link=self._link, next_plan=next_plan,
+            counters=self._counters, emit=emit, done=self._delivered, link=self._link, next_plan=self._make_plan,
             waited=self._consumer_waited,
         )
         self._run = run
@@ -456,7 +453,7 @@ class Loader:
         epoch = int(state["epoch"])
         ids = self._idlist()
         elastic = resume_plan(state, ids, self._plan_options, self._digest)
-        plan = elastic[0] if elastic else make_plan(ids, epoch, self._plan_options, digest=self._digest)
+        plan = elastic[0] if elastic else self._make_plan(epoch)
         if state.get("dataset") == self.dataset and state.get("split") != self.split:
             raise ConfigError(f"loader state is for split {state.get('split')!r} of dataset {self.dataset!r}, "
                               f"this loader reads split {self.split!r}")

@@ -10,12 +10,15 @@ from the parent's state. The child's engine figures reach ``stats()`` every ``ST
 Memory: the child's byte budget plus the arena. The parent dies -> the child exits within a
 fraction of a second (it watches its parent); the child dies -> the parent's ``get()`` raises
 at once. Only a URL can go to a child: a source object stays in-process (ConfigError).
+``engines=N``: N children, child i fetching plan positions i, i+N, ... (``_Shard``; positions stay
+the parent's), ``_Merge`` makes their batches one stream with one end per epoch.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -23,13 +26,14 @@ import signal
 import threading
 import time
 import weakref
-from dataclasses import fields
+from dataclasses import fields, replace
 from multiprocessing import shared_memory
 
 import numpy as np
 
 from dataferry.schema import ConfigError, DataferryError
 
+from ._elastic import DealtPlan
 from ._loader import Loader, _Failed
 from ._options import PlanOptions
 from ._types import Batch, EndOfEpoch
@@ -117,8 +121,31 @@ def _sendable(exc: BaseException) -> BaseException:
         return DataferryError(f"{type(exc).__name__}: {exc}")
 
 
-def _child_main(conn, shm_name: str, size: int, ppid: int) -> None:
-    """The engine process: a Loader whose batches go into the arena."""
+class _Shard(Loader):
+    """An engine process's Loader over plan positions ``index``, ``index + count``, ... of every
+    epoch (its positions ``j`` are the parent's ``index + j * count``)."""
+
+    def __init__(self, source, *, shard: tuple[int, int], **kwargs) -> None:
+        self._shard = shard
+        super().__init__(source, **kwargs)
+
+    def _make_plan(self, epoch: int):
+        plan = super()._make_plan(epoch)
+        index, count = self._shard
+        return replace(plan, order=np.ascontiguousarray(plan.order[index::count]))
+
+
+def _shard_state(state: dict, index: int, count: int) -> dict:
+    """The parent's ``_local_state()`` as shard ``index`` of ``count`` sees it (its own positions)."""
+    n, frontier = int(state["num_samples"]), int(state["frontier"])
+    own = len(range(index, n, count))
+    below = max(0, -(-(frontier - index) // count))  # its positions under the parent's frontier
+    beyond = [(p - index) // count for p in state["beyond"] if p % count == index]
+    return state | {"num_samples": own, "frontier": min(below, own), "beyond": beyond}
+
+
+def _child_main(conn, shm_name: str, size: int, ppid: int, shard: tuple[int, int] = (0, 1)) -> None:
+    """The engine process: a Loader (shard ``index`` of ``count``) whose batches go into the arena."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     threading.Thread(target=_watch_parent, args=(ppid,), daemon=True).start()
     shm = _attach(shm_name)
@@ -126,7 +153,8 @@ def _child_main(conn, shm_name: str, size: int, ppid: int) -> None:
     buf[:] = 0  # every page made now, not on the first lap
     try:
         source, kwargs = conn.recv()
-        loader = Loader(source, **kwargs)
+        index, count = shard
+        loader = _Shard(source, shard=shard, **kwargs) if count > 1 else Loader(source, **kwargs)
     except EOFError:
         return
     except BaseException as exc:  # noqa: BLE001 - handed to the parent
@@ -195,8 +223,12 @@ def _child_main(conn, shm_name: str, size: int, ppid: int) -> None:
                 for d in b.data:
                     buf[pos:pos + len(d)] = d
                     pos += len(d)
+                positions, skipped = b.positions, b.skipped
+                if count > 1:  # the parent's positions
+                    positions = np.asarray(positions, np.int64) * count + index
+                    skipped = [p * count + index for p in skipped]
                 conn.send(("batch", gen, off, b.nbytes, lengths, b.ids, b.labels, b.targets, b.epoch,
-                           b.positions, b.skipped))
+                           positions, skipped))
             except (EOFError, OSError):
                 raise
             except BaseException as exc:  # noqa: BLE001 - handed to the parent (a batch larger than the arena)
@@ -211,15 +243,13 @@ def _child_main(conn, shm_name: str, size: int, ppid: int) -> None:
 
 
 class _Link:
-    """The parent's end: sends (a lock; releases from any thread are queued and flushed),
-    and the run's figures the Loader reads (``release``, ``ready_bytes``, ``corrupt_skips``)."""
+    """The parent's end of one engine process: sends (a lock; releases from any thread are
+    queued and flushed)."""
 
     def __init__(self, conn) -> None:
         self.conn, self.lock = conn, threading.Lock()
         self.pending: collections.deque[int] = collections.deque()
         self.gen = 0
-        self.ready_bytes = 0
-        self.corrupt_skips: dict = {}
         self.closing = False
 
     def send(self, msg, block: bool = True) -> None:
@@ -241,15 +271,77 @@ class _Link:
         if not self.closing:
             self.send(None, block=False)
 
+class _Group:
+    """The engine processes as the Loader's run: the figures it reads (``release``, ``ready_bytes``,
+    ``corrupt_skips``) and each engine's counters, combined into the Loader's."""
+
+    def __init__(self, counters, engines: int) -> None:
+        self.counters, self.shares = counters, [{} for _ in range(engines)]
+        self.ready_bytes = 0
+        self.corrupt_skips: dict = {}
+
     def release(self, nbytes: int) -> None:
         self.ready_bytes -= nbytes
 
     def consumer_at(self, epoch: int) -> None:
         pass
 
+    def update(self, index: int, figures: dict) -> None:
+        """Engine ``index``'s latest figures: counts, windows and budgets add up; the seconds a
+        window or budget was full are the most of any; latency is the mean, the floor the least."""
+        self.shares[index] = figures
+        shares = [d for d in self.shares if d]
+        for k in figures:
+            values = [d[k] for d in shares if d.get(k) is not None]
+            if k == "request_latency":
+                v = sum(values) / len(values) if values else None
+            elif k == "min_latency":
+                v = min(values, default=None)
+            elif k in ("window_full", "budget_full"):
+                v = max(values, default=0.0)
+            else:
+                v = sum(values)
+            setattr(self.counters, k, v)
 
-def _pump(link: _Link, q, buf: memoryview, counters, proc) -> None:
-    """The parent's reader: descriptors become Batches of views into the arena."""
+
+class _Merge:
+    """The engines' items as one stream for the consumer's queue: an epoch ends once every engine
+    has ended it, and what an engine sends of a later epoch waits until then (its arena bounds it)."""
+
+    def __init__(self, q, engines: int) -> None:
+        self.q, self.engines, self.lock = q, engines, threading.Lock()
+        self.gen, self.epoch, self.ends, self.held = None, 0, 0, []
+
+    def start(self, gen: int, epoch: int) -> None:
+        with self.lock:
+            self.gen, self.epoch, self.ends, self.held = gen, epoch, 0, []
+
+    def put(self, gen: int, item) -> None:
+        if self.engines == 1:
+            self.q.put((gen, item))
+            return
+        with self.lock:
+            self._put(gen, item)
+
+    def _put(self, gen: int, item) -> None:
+        if gen != self.gen or not isinstance(item, (Batch, EndOfEpoch)):
+            self.q.put((gen, item))  # an error now; an old run's item, which the consumer drops
+        elif item.epoch > self.epoch:
+            self.held.append(item)
+        elif isinstance(item, Batch):
+            self.q.put((gen, item))
+        else:
+            self.ends += 1
+            if self.ends == self.engines:
+                self.q.put((gen, item))
+                self.epoch, self.ends = self.epoch + 1, 0
+                held, self.held = self.held, []
+                for later in held:
+                    self._put(gen, later)
+
+
+def _pump(link: _Link, merge: _Merge, buf: memoryview, group: _Group, index: int, proc) -> None:
+    """The parent's reader of one engine: descriptors become Batches of views into its arena."""
     conn = link.conn
     np.frombuffer(buf, np.uint8)[::4096].sum()  # map every page here too, once
     while True:
@@ -264,7 +356,7 @@ def _pump(link: _Link, q, buf: memoryview, counters, proc) -> None:
                 proc.join(1.0)
                 code = proc.exitcode
                 how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited (code {code})"
-                q.put((link.gen, _Failed(DataferryError(f"the loader's engine process (pid {proc.pid}) {how}"))))
+                merge.put(link.gen, _Failed(DataferryError(f"the loader's engine process (pid {proc.pid}) {how}")))
             return
         kind = msg[0]
         if kind == "batch":
@@ -278,15 +370,14 @@ def _pump(link: _Link, q, buf: memoryview, counters, proc) -> None:
                 del base
             else:
                 data = [np.empty(0, np.uint8) for _ in lengths]
-            link.ready_bytes += nbytes
-            q.put((gen, Batch(ids, labels, data, targets, epoch, positions, nbytes, skipped)))
+            group.ready_bytes += nbytes
+            merge.put(gen, Batch(ids, labels, data, targets, epoch, positions, nbytes, skipped))
         elif kind == "end":
-            q.put((msg[1], EndOfEpoch(msg[2])))
+            merge.put(msg[1], EndOfEpoch(msg[2]))
         elif kind == "error":
-            q.put((link.gen if msg[1] is None else msg[1], _Failed(msg[2])))
+            merge.put(link.gen if msg[1] is None else msg[1], _Failed(msg[2]))
         elif kind == "counters":
-            for k, v in msg[1].items():
-                setattr(counters, k, v)
+            group.update(index, msg[1])
 
 
 def _stop_child(link: _Link, proc, shm, thread) -> None:
@@ -321,24 +412,47 @@ class ProcessLoader(Loader):
     over in (default 128 MiB; memory is the engine's byte budget plus it); a batch's bytes go back to the child
     when its last view is dropped, so holding batches holds the arena. ``source`` must be a
     URL (the child opens it again; a token goes over the pipe, never argv or the environment).
+    ``engines``: engine processes (default 1), each fetching every ``engines``-th position of the
+    plan over its own connections, for a link faster than one engine's thread receives; each has
+    its own arena and ``1/engines`` of a fixed ``Prefetch.max_bytes`` (a budget that follows the
+    link follows each one's share). An epoch then ends with up to ``engines`` short batches, so
+    ``drop_last`` and ``order="input"`` need one engine; so does the epoch of an elastic resume.
     """
 
-    def __init__(self, source: str, dataset: str, *, arena_bytes: int | None = None, **kwargs) -> None:
+    def __init__(self, source: str, dataset: str, *, arena_bytes: int | None = None, engines: int = 1,
+                 **kwargs) -> None:
         if not isinstance(source, str):
             raise ConfigError("ProcessLoader needs a store or service URL: a source object cannot go to "
                               "another process (use Loader)")
         if arena_bytes is not None and arena_bytes < 1 << 16:
             raise ConfigError(f"arena_bytes must be at least 64 KiB, not {arena_bytes}")
+        if not isinstance(engines, int) or isinstance(engines, bool) or engines < 1:
+            raise ConfigError(f"engines must be a whole number >= 1, not {engines!r}")
         super().__init__(source, dataset, **kwargs)
+        if engines > 1 and (self.drop_last or self.order == "input"):
+            raise ConfigError(f"engines={engines} ends each epoch with up to {engines} short batches and "
+                              "interleaves the engines' samples: drop_last=True and order='input' need engines=1")
         self._arena_bytes = arena_bytes or DEFAULT_ARENA
+        self._engines = engines
         keep = ("ids", "batch_size", "drop_last", "order", "prefetch", "retry", "hedge", "errors",
                 "token", "token_file", "ca_file", "http")
-        self._child_args = (source, {"dataset": dataset, "split": self.split,
-                                     **{k: v for k, v in kwargs.items() if k in keep}})
-        self._child = None
+        child = {k: v for k, v in kwargs.items() if k in keep}
+        budget = self.prefetch.max_bytes
+        if engines > 1 and budget is not None:
+            child["prefetch"] = replace(self.prefetch, max_bytes=max(1 << 16, budget // engines))
+        self._child_args = (source, {"dataset": dataset, "split": self.split, **child})
+        self._children: list = []  # (link, proc) of each engine process
+        self._group = _Group(self._counters, engines)
+        self._merge = _Merge(self._queue, engines)
+
+    def __len__(self) -> int:
+        if self._engines == 1:
+            return super().__len__()
+        n = len(self._plan if self._plan is not None else self._plan_for(self.epoch))
+        return sum(math.ceil(len(range(i, n, self._engines)) / self.batch_size) for i in range(self._engines))
 
     def _ensure_child(self) -> None:
-        if self._child is not None:
+        if self._children:
             return
         plan = self._plan_for(self.epoch)
         o = self.plan_options
@@ -346,42 +460,61 @@ class ProcessLoader(Loader):
             "plan": PlanOptions(seed=o.seed, shuffle=o.shuffle, rank=plan.rank, world_size=plan.world_size,
                                 uneven=o.uneven)}
         ctx = mp.get_context("spawn")
-        shm = shared_memory.SharedMemory(create=True, size=self._arena_bytes)
-        mine, theirs = ctx.Pipe()
-        proc = ctx.Process(target=_child_main, args=(theirs, shm.name, self._arena_bytes, os.getpid()),
-                           name="dataferry-engine", daemon=True)
+        stops = []
         try:
-            proc.start()
+            for index in range(self._engines):
+                shm = shared_memory.SharedMemory(create=True, size=self._arena_bytes)
+                mine, theirs = ctx.Pipe()
+                proc = ctx.Process(target=_child_main, name="dataferry-engine", daemon=True,
+                                   args=(theirs, shm.name, self._arena_bytes, os.getpid(), (index, self._engines)))
+                try:
+                    proc.start()
+                except BaseException:
+                    shm.close()
+                    shm.unlink()
+                    raise
+                theirs.close()
+                link = _Link(mine)
+                link.send((self._child_args[0], args))
+                thread = threading.Thread(target=_pump, args=(link, self._merge, shm.buf, self._group, index, proc),
+                                          name="dataferry-pump", daemon=True)
+                thread.start()
+                self._children.append((link, proc))
+                stops.append(weakref.finalize(self, _stop_child, link, proc, shm, thread))
         except BaseException:
-            shm.close()
-            shm.unlink()
+            for stop in stops:
+                stop()
+            self._children = []
             raise
-        theirs.close()
-        link = _Link(mine)
-        link.send((self._child_args[0], args))
-        link.ready_bytes = 0
-        thread = threading.Thread(target=_pump, args=(link, self._queue, shm.buf,
-                                                      self._counters, proc), name="dataferry-pump", daemon=True)
-        thread.start()
-        self._child = (link, proc)
-        self._child_stop = weakref.finalize(self, _stop_child, link, proc, shm, thread)
+        self._child_stops = stops
 
     @property
     def engine_pid(self) -> int | None:
-        """The engine process's pid (None before the first ``get()``)."""
-        return None if self._child is None else self._child[1].pid
+        """The (first) engine process's pid (None before the first ``get()``)."""
+        return self._children[0][1].pid if self._children else None
+
+    @property
+    def engine_pids(self) -> list[int]:
+        """Every engine process's pid (none before the first ``get()``)."""
+        return [proc.pid for _, proc in self._children]
 
     def _start_run(self) -> None:
-        self._begin_run()
+        plan = self._begin_run()
+        if self._engines > 1 and isinstance(plan, DealtPlan):
+            raise ConfigError(f"the epoch of an elastic resume (a state saved under another world size) is "
+                              f"dealt unevenly: finish it with engines=1, not {self._engines}")
         self._ensure_child()
-        link = self._child[0]
-        link.gen = self._gen
-        link.ready_bytes = 0
-        link.send(("start", self._gen, self._local_state()))
-        self._run = link
+        state = self._local_state()
+        self._merge.start(self._gen, self._epoch)
+        self._group.ready_bytes = 0
+        for index, (link, _) in enumerate(self._children):
+            link.gen = self._gen
+            mine = state if self._engines == 1 else _shard_state(state, index, self._engines)
+            link.send(("start", self._gen, mine))
+        self._run = self._group
 
     def close(self) -> None:
-        """Stop the engine process and free the arena, then close as a Loader. Idempotent."""
-        if self._child is not None:
-            self._child_stop()
+        """Stop the engine processes and free the arenas, then close as a Loader. Idempotent."""
+        for stop in getattr(self, "_child_stops", ()):
+            stop()
         super().close()

@@ -194,3 +194,78 @@ def test_batch_larger_than_arena_is_a_clear_error(url):
     with ProcessLoader(url, "d", batch_size=N, arena_bytes=1 << 16) as ld:
         with pytest.raises(ConfigError, match="does not fit the shared-memory arena"):
             ld.get(timeout=60)
+
+
+# -- several engine processes (engines=N) ---------------------------------------------
+
+
+def test_shard_state_takes_each_engines_own_positions():
+    from dataferry.client._subprocess import _shard_state
+
+    state = {"num_samples": 10, "frontier": 5, "beyond": [6, 7, 9], "epoch": 2}
+    shards = [_shard_state(state, i, 3) for i in range(3)]
+    assert [s["num_samples"] for s in shards] == [4, 3, 3]  # 0 3 6 9 | 1 4 7 | 2 5 8
+    assert [s["frontier"] for s in shards] == [2, 2, 1]  # under 5: 0 3 | 1 4 | 2
+    assert [s["beyond"] for s in shards] == [[2, 3], [2], []]  # 6 9 -> 2 3; 7 -> 2
+    assert all(s["epoch"] == 2 for s in shards)
+    done = {i + j * 3 for i, s in enumerate(shards) for j in [*range(s["frontier"]), *s["beyond"]]}
+    assert done == {0, 1, 2, 3, 4, 6, 7, 9}
+
+
+@pytest.mark.parametrize("engines", [2, 3])
+def test_several_engines_deliver_each_sample_once_an_epoch_and_stop_together(url, engines):
+    before = _shm()
+    with ProcessLoader(url, "d", batch_size=32, plan=PlanOptions(seed=5), engines=engines,
+                       prefetch=Prefetch(max_bytes=1 << 20), arena_bytes=1 << 20) as ld:
+        assert len(ld) == sum(-(-len(range(i, N, engines)) // 32) for i in range(engines))
+        for _ in range(3):
+            seen, batches = [], 0
+            for b in ld:
+                _check(b, EXPECTED)
+                seen += b.ids.tolist()
+                batches += 1
+            assert sorted(seen) == sorted(EXPECTED) and batches == len(ld)
+        pids = ld.engine_pids
+        assert len(set(pids)) == engines and all(map(_alive, pids))
+        st = ld.stats()
+        assert st.samples == 3 * N and st.received >= 3 * sum(map(len, EXPECTED.values()))  # every engine's figures
+    assert not any(map(_alive, pids))
+    assert _shm() <= before
+
+
+def test_several_engines_resume_mid_epoch_from_and_into_any_engine_count(url):
+    for saved, resumed in [(2, 3), (3, 1), (1, 2)]:
+        with ProcessLoader(url, "d", batch_size=10, plan=PlanOptions(seed=7), engines=saved, arena_bytes=1 << 20) as ld:
+            it = iter(ld)
+            first = [i for _ in range(7) for i in next(it).ids.tolist()]
+            state = ld.state_dict()
+        with ProcessLoader(url, "d", batch_size=10, plan=PlanOptions(seed=7), engines=resumed,
+                           arena_bytes=1 << 20) as ld2:
+            ld2.load_state_dict(state)
+            rest = [i for b in ld2 for i in b.ids.tolist()]
+            nxt = [i for b in ld2 for i in b.ids.tolist()]  # the next epoch, whole
+        assert len(first) == 70 and sorted(first + rest) == sorted(EXPECTED), (saved, resumed)
+        assert sorted(nxt) == sorted(EXPECTED)
+
+
+def test_one_of_several_engines_killed_raises_at_once(url):
+    with ProcessLoader(url, "d", batch_size=8, engines=2, arena_bytes=1 << 16,
+                       prefetch=Prefetch(max_bytes=1 << 17)) as ld:
+        ld.get(timeout=60)
+        os.kill(ld.engine_pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(DataferryError, match="killed by signal 9"):
+            while True:
+                ld.get(timeout=30)
+        assert time.monotonic() - t0 < 10
+
+
+def test_several_engines_refuse_what_they_cannot_keep(url):
+    for bad, match in [({"engines": 0}, "engines must be a whole number >= 1, not 0"),
+                       ({"engines": True}, "engines must be"),
+                       ({"engines": 2, "drop_last": True}, "drop_last=True and order='input' need engines=1"),
+                       ({"engines": 2, "order": "input"}, "need engines=1")]:
+        with pytest.raises(ConfigError, match=match):
+            ProcessLoader(url, "d", batch_size=8, **bad)
+    with ProcessLoader(url, "d", batch_size=8, engines=4, prefetch=Prefetch(max_bytes=1 << 20)) as ld:
+        assert ld._child_args[1]["prefetch"].max_bytes == 1 << 18  # the fixed budget is shared, not multiplied
