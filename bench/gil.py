@@ -5,8 +5,9 @@ at each round trip; a training loop that takes batches and runs a step of ``--st
 ``gil`` runs a fixed amount of pure Python for half of it (a model's Python overhead, holding
 the GIL; longer when the GIL is shared), then sleeps the other half; ``sleep`` sleeps all of it
 (GPU work). For each (RTT, consumer): alternated pairs of ``Loader`` (in-process) and
-``ProcessLoader``; per run samples/s (total samples over the timed wall time, from the first
-batch on), the loop's wait on the loader (% of wall time), the mean ``get()`` in us (and the
+``ProcessLoader`` (its default engines: 1 on 2 cores, 3 on 16); per run samples/s (total
+samples over the timed wall time, from the first batch on), the loop's wait on the loader
+(% of wall time), the mean ``get()`` in us (and the
 median of those that found a batch ready: a handover's cost to the loop), client CPU per sample
 (training plus engine process; the server's apart); the ratio's median over pairs.
 """

@@ -251,7 +251,7 @@ def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: s
                 codec: str = "jpeg", prefetch=("default", None), engine: str = "thread",
                 proxy: tuple[int, int] | None = None) -> RttResult:
     """``opts.epochs`` epochs of Loader (HTTP, through the proxy) → ``kind``'s iterator → tensors on ``device``;
-    ``engine="process"`` (or ``"process:N"``): ProcessLoader (with N engines), whose engine processes' CPU joins
+    ``engine="process"`` (or ``"process:N"``): ProcessLoader with 1 (or N) engines, whose engine processes' CPU joins
     the client's; ``proxy``: the
     link's (pid, processes), whose CPU is reported apart."""
     from dataferry.client import Loader, ProcessLoader
@@ -265,7 +265,7 @@ def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: s
     t0 = time.perf_counter()
     label_p, setting = prefetch
     engines = _engine_count(engine)
-    kw = ({} if setting is None else {"prefetch": setting}) | ({"engines": engines} if engines > 1 else {})
+    kw = ({} if setting is None else {"prefetch": setting}) | ({"engines": engines} if engines else {})
     with (ProcessLoader if engines else Loader)(link_url, DATASET, batch_size=opts.batch, **kw) as loader:
         it, to_device = _iterator(kind, loader, options, device, device_id)
         with it:

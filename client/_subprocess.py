@@ -34,6 +34,7 @@ import numpy as np
 from dataferry.schema import ConfigError, DataferryError
 
 from ._elastic import DealtPlan
+from ._hardware import usable_cores
 from ._loader import Loader, _Failed
 from ._options import PlanOptions
 from ._types import Batch, EndOfEpoch
@@ -405,6 +406,13 @@ def _stop_child(link: _Link, proc, shm, thread) -> None:
         shm._fd = -1
 
 
+def default_engines() -> int:
+    """A fifth of the usable cores, 1 to 3: on the 16-core GPU machine at 100 ms one engine gave
+    8.8-9.6k images/s steady, two 16.9k, three 18.3-18.8k, four 18.0k (bench/results/gpu/README.md);
+    on 2 cores one (a second process has no idle core to run on)."""
+    return max(1, min(3, usable_cores() // 5))
+
+
 class ProcessLoader(Loader):
     """A :class:`Loader` whose engine runs in a child process (off the training process's GIL).
 
@@ -412,23 +420,26 @@ class ProcessLoader(Loader):
     over in (default 128 MiB; memory is the engine's byte budget plus it); a batch's bytes go back to the child
     when its last view is dropped, so holding batches holds the arena. ``source`` must be a
     URL (the child opens it again; a token goes over the pipe, never argv or the environment).
-    ``engines``: engine processes (default 1), each fetching every ``engines``-th position of the
-    plan over its own connections, for a link faster than one engine's thread receives; each has
+    ``engines``: engine processes, each fetching every ``engines``-th position of the plan over its
+    own connections, for a link faster than one engine's thread receives (None: a fifth of the
+    usable cores, 1 to 3, and 1 where ``drop_last`` or ``order="input"`` is asked); each has
     its own arena and ``1/engines`` of a fixed ``Prefetch.max_bytes`` (a budget that follows the
     link follows each one's share). An epoch then ends with up to ``engines`` short batches, so
     ``drop_last`` and ``order="input"`` need one engine; so does the epoch of an elastic resume.
     """
 
-    def __init__(self, source: str, dataset: str, *, arena_bytes: int | None = None, engines: int = 1,
+    def __init__(self, source: str, dataset: str, *, arena_bytes: int | None = None, engines: int | None = None,
                  **kwargs) -> None:
         if not isinstance(source, str):
             raise ConfigError("ProcessLoader needs a store or service URL: a source object cannot go to "
                               "another process (use Loader)")
         if arena_bytes is not None and arena_bytes < 1 << 16:
             raise ConfigError(f"arena_bytes must be at least 64 KiB, not {arena_bytes}")
-        if not isinstance(engines, int) or isinstance(engines, bool) or engines < 1:
-            raise ConfigError(f"engines must be a whole number >= 1, not {engines!r}")
+        if engines is not None and (not isinstance(engines, int) or isinstance(engines, bool) or engines < 1):
+            raise ConfigError(f"engines must be a whole number >= 1 (or None: by the cores), not {engines!r}")
         super().__init__(source, dataset, **kwargs)
+        if engines is None:
+            engines = 1 if self.drop_last or self.order == "input" else default_engines()
         if engines > 1 and (self.drop_last or self.order == "input"):
             raise ConfigError(f"engines={engines} ends each epoch with up to {engines} short batches and "
                               "interleaves the engines' samples: drop_last=True and order='input' need engines=1")
@@ -487,6 +498,11 @@ class ProcessLoader(Loader):
             self._children = []
             raise
         self._child_stops = stops
+
+    @property
+    def engines(self) -> int:
+        """Engine processes this loader runs."""
+        return self._engines
 
     @property
     def engine_pid(self) -> int | None:

@@ -261,7 +261,7 @@ def test_one_of_several_engines_killed_raises_at_once(url):
 
 
 def test_several_engines_refuse_what_they_cannot_keep(url):
-    for bad, match in [({"engines": 0}, "engines must be a whole number >= 1, not 0"),
+    for bad, match in [({"engines": 0}, "engines must be a whole number >= 1 .or None: by the cores., not 0"),
                        ({"engines": True}, "engines must be"),
                        ({"engines": 2, "drop_last": True}, "drop_last=True and order='input' need engines=1"),
                        ({"engines": 2, "order": "input"}, "need engines=1")]:
@@ -269,3 +269,16 @@ def test_several_engines_refuse_what_they_cannot_keep(url):
             ProcessLoader(url, "d", batch_size=8, **bad)
     with ProcessLoader(url, "d", batch_size=8, engines=4, prefetch=Prefetch(max_bytes=1 << 20)) as ld:
         assert ld._child_args[1]["prefetch"].max_bytes == 1 << 18  # the fixed budget is shared, not multiplied
+
+
+def test_engines_follow_the_usable_cores_unless_the_batches_must_stay_whole(url, monkeypatch):
+    import dataferry.client._subprocess as sub
+
+    for cores, want in [(2, 1), (8, 1), (10, 2), (16, 3), (128, 3)]:
+        monkeypatch.setattr(sub, "usable_cores", lambda cores=cores: cores)
+        with ProcessLoader(url, "d", batch_size=8) as ld:
+            assert ld.engines == want, cores
+        with ProcessLoader(url, "d", batch_size=8, drop_last=True) as ld:
+            assert ld.engines == 1
+        with ProcessLoader(url, "d", batch_size=8, order="input") as ld:
+            assert ld.engines == 1
