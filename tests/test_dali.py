@@ -279,3 +279,43 @@ def test_default_options_decode_with_the_machines_thread_count():
     (batches,) = run_epochs(dali(TrainTransform(size=24), options=DaliOptions(device="cpu")),
                             MemorySource("ds", samples), batch_size=8)
     assert sorted(i for b in batches for i in b.ids.tolist()) == sorted(s.id for s in samples)
+
+
+def test_several_engine_processes_feed_dali_each_image_once_and_resume(tmp_path):
+    """ProcessLoader(engines=2) from a real store into DALI (CPU): every image once an epoch,
+    decoded, and DALI's state_dict resuming exactly with the other engine count."""
+    import asyncio
+    import datetime as dt
+
+    from dataferry.client import PlanOptions, ProcessLoader
+    from dataferry.schema import DatasetInfo, SampleMeta, SampleRecord, open_store
+
+    samples = jpeg_samples(70)
+    url = f"sqlite://{tmp_path}/s.db"
+
+    async def fill():
+        async with await open_store(url, create=True) as store:
+            await store.put_samples("ds", [SampleRecord(s, SampleMeta(s.id, s.label, f"{s.id}.jpg", "jpeg", 8, 8,
+                                                                        len(s.data), "0" * 64, {})) for s in samples])
+            await store.put_dataset(DatasetInfo("ds", list("abcde"), len(samples),
+                                                dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)))
+            await store.put_split("ds", "all", IdList([s.id for s in samples], [s.label for s in samples]))
+
+    asyncio.run(fill())
+    opts, plan = DaliOptions(device="cpu", decode_depth=2), PlanOptions(seed=2)
+    with ProcessLoader(url, "ds", batch_size=8, engines=2, plan=plan) as loader, \
+            DaliIterator(loader, EvalTransform(16, 16), options=opts) as it:
+        for epoch in range(2):
+            batches = list(it)
+            ids = [i for b in batches for i in b.ids.tolist()]
+            assert sorted(ids) == [s.id for s in samples] and len(batches) == len(loader) == 10  # 35 + 35: 5 x 8 each
+            assert all(b.images.shape[1:] == (3, 16, 16) and b.epoch == epoch for b in batches)
+        third = iter(it)
+        first = [next(third), next(third), next(third)]
+        state = it.state_dict()
+    taken = {i for b in first for i in b.ids.tolist()}
+    with ProcessLoader(url, "ds", batch_size=8, engines=1, plan=plan) as loader, \
+            DaliIterator(loader, EvalTransform(16, 16), options=opts) as it:
+        it.load_state_dict(state)
+        rest = [i for b in it for i in b.ids.tolist()]
+    assert len(rest) == len(set(rest)) and not taken & set(rest) and taken | set(rest) == {s.id for s in samples}

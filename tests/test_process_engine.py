@@ -282,3 +282,18 @@ def test_engines_follow_the_usable_cores_unless_the_batches_must_stay_whole(url,
             assert ld.engines == 1
         with ProcessLoader(url, "d", batch_size=8, order="input") as ld:
             assert ld.engines == 1
+
+
+def test_several_engines_abandon_an_epoch_for_set_epoch_and_deliver_the_new_one_whole(url):
+    with ProcessLoader(url, "d", batch_size=16, plan=PlanOptions(seed=9), engines=2, arena_bytes=1 << 20,
+                       prefetch=Prefetch(max_bytes=1 << 20)) as ld:
+        it = iter(ld)
+        for _ in range(4):
+            next(it)  # part of epoch 0, and the engines are ahead of it
+        ld.set_epoch(5)
+        got = [b for b in ld]
+        assert {b.epoch for b in got} == {5}
+        assert sorted(i for b in got for i in b.ids.tolist()) == sorted(EXPECTED)
+        for b in got:
+            _check(b, EXPECTED)
+        assert sorted(i for b in ld for i in b.ids.tolist()) == sorted(EXPECTED)  # epoch 6, whole
