@@ -153,7 +153,10 @@ def _child_main(conn, shm_name: str, size: int, ppid: int, shard: tuple[int, int
     buf = np.frombuffer(shm.buf, np.uint8)
     buf[:] = 0  # every page made now, not on the first lap
     try:
-        source, kwargs = conn.recv()
+        msg = conn.recv()  # spawned with the loader: the first get() sends what to open
+        if msg[0] != "init":
+            return  # closed before its first get()
+        _, source, kwargs = msg
         index, count = shard
         loader = _Shard(source, shard=shard, **kwargs) if count > 1 else Loader(source, **kwargs)
     except EOFError:
@@ -455,6 +458,8 @@ class ProcessLoader(Loader):
         self._children: list = []  # (link, proc) of each engine process
         self._group = _Group(self._counters, engines)
         self._merge = _Merge(self._queue, engines)
+        self._opened = False
+        self._spawn()
 
     def __len__(self) -> int:
         if self._engines == 1:
@@ -462,14 +467,9 @@ class ProcessLoader(Loader):
         n = len(self._plan if self._plan is not None else self._plan_for(self.epoch))
         return sum(math.ceil(len(range(i, n, self._engines)) / self.batch_size) for i in range(self._engines))
 
-    def _ensure_child(self) -> None:
-        if self._children:
-            return
-        plan = self._plan_for(self.epoch)
-        o = self.plan_options
-        args = self._child_args[1] | {
-            "plan": PlanOptions(seed=o.seed, shuffle=o.shuffle, rank=plan.rank, world_size=plan.world_size,
-                                uneven=o.uneven)}
+    def _spawn(self) -> None:
+        """Start the engine processes now, with the loader: their start (the interpreter, imports, the
+        arena's pages) goes on while the job builds the rest; what they open waits for the first run."""
         ctx = mp.get_context("spawn")
         stops = []
         try:
@@ -486,7 +486,6 @@ class ProcessLoader(Loader):
                     raise
                 theirs.close()
                 link = _Link(mine)
-                link.send((self._child_args[0], args))
                 thread = threading.Thread(target=_pump, args=(link, self._merge, shm.buf, self._group, index, proc),
                                           name="dataferry-pump", daemon=True)
                 thread.start()
@@ -499,6 +498,20 @@ class ProcessLoader(Loader):
             raise
         self._child_stops = stops
 
+    def _init_children(self) -> None:
+        """At the first run: what each engine opens, with this rank's plan (resolved now, when
+        torch.distributed is up, not when the loader was made)."""
+        if self._opened:
+            return
+        plan = self._plan_for(self.epoch)
+        o = self.plan_options
+        args = self._child_args[1] | {
+            "plan": PlanOptions(seed=o.seed, shuffle=o.shuffle, rank=plan.rank, world_size=plan.world_size,
+                                uneven=o.uneven)}
+        for link, _ in self._children:
+            link.send(("init", self._child_args[0], args))
+        self._opened = True
+
     @property
     def engines(self) -> int:
         """Engine processes this loader runs."""
@@ -506,12 +519,12 @@ class ProcessLoader(Loader):
 
     @property
     def engine_pid(self) -> int | None:
-        """The (first) engine process's pid (None before the first ``get()``)."""
+        """The (first) engine process's pid."""
         return self._children[0][1].pid if self._children else None
 
     @property
     def engine_pids(self) -> list[int]:
-        """Every engine process's pid (none before the first ``get()``)."""
+        """Every engine process's pid."""
         return [proc.pid for _, proc in self._children]
 
     def _start_run(self) -> None:
@@ -519,7 +532,7 @@ class ProcessLoader(Loader):
         if self._engines > 1 and isinstance(plan, DealtPlan):
             raise ConfigError(f"the epoch of an elastic resume (a state saved under another world size) is "
                               f"dealt unevenly: finish it with engines=1, not {self._engines}")
-        self._ensure_child()
+        self._init_children()
         state = self._local_state()
         self._merge.start(self._gen, self._epoch)
         self._group.ready_bytes = 0

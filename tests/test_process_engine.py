@@ -276,12 +276,13 @@ def test_engines_follow_the_usable_cores_unless_the_batches_must_stay_whole(url,
 
     for cores, want in [(2, 1), (8, 1), (10, 2), (16, 3), (128, 3)]:
         monkeypatch.setattr(sub, "usable_cores", lambda cores=cores: cores)
-        with ProcessLoader(url, "d", batch_size=8) as ld:
-            assert ld.engines == want, cores
-        with ProcessLoader(url, "d", batch_size=8, drop_last=True) as ld:
-            assert ld.engines == 1
-        with ProcessLoader(url, "d", batch_size=8, order="input") as ld:
-            assert ld.engines == 1
+        assert sub.default_engines() == want, cores
+    with ProcessLoader(url, "d", batch_size=8) as ld:  # (16 cores, from the last patch)
+        assert ld.engines == 3 and len(ld.engine_pids) == 3
+    with ProcessLoader(url, "d", batch_size=8, drop_last=True) as ld:
+        assert ld.engines == 1
+    with ProcessLoader(url, "d", batch_size=8, order="input") as ld:
+        assert ld.engines == 1
 
 
 def test_several_engines_abandon_an_epoch_for_set_epoch_and_deliver_the_new_one_whole(url):
@@ -297,3 +298,12 @@ def test_several_engines_abandon_an_epoch_for_set_epoch_and_deliver_the_new_one_
         for b in got:
             _check(b, EXPECTED)
         assert sorted(i for b in ld for i in b.ids.tolist()) == sorted(EXPECTED)  # epoch 6, whole
+
+
+def test_engines_start_with_the_loader_and_a_loader_closed_unused_leaves_nothing(url):
+    before = _shm()
+    ld = ProcessLoader(url, "d", batch_size=8, engines=2, arena_bytes=1 << 16)
+    pids = ld.engine_pids
+    assert len(pids) == 2 and all(map(_alive, pids))  # started with the loader, before any get()
+    ld.close()
+    assert not any(map(_alive, pids)) and _shm() <= before
