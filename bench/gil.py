@@ -44,13 +44,14 @@ def spin(seconds: float) -> None:
 
 
 def run_once(url: str, engine: str, consumer: str, *, seconds: float, step: float, batch_size: int,
-             server_pid: int, gil: float = 0.5) -> dict:
+             server_pid: int, gil: float = 0.5, engines: int | None = None) -> dict:
     from dataferry.client import Loader, Prefetch
     from dataferry.client._subprocess import ProcessLoader
 
+    kw = {"engines": engines} if engine == "process" else {}
     cls = ProcessLoader if engine == "process" else Loader
     exclude = live_descendants()
-    with cls(url, "bench", batch_size=batch_size, prefetch=Prefetch(max_bytes=256 << 20)) as loader:
+    with cls(url, "bench", batch_size=batch_size, prefetch=Prefetch(max_bytes=256 << 20), **kw) as loader:
         it = iter(loader)
         next(it)  # the first batch: start-up (the child's spawn) is not timed
         c0, s0, t0 = cpu_seconds(exclude=exclude), process_cpu_s(server_pid), time.perf_counter()
@@ -96,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--seconds", type=float, default=6.0, help="timed seconds per run")
     p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--engines", type=int, default=None,
+                   help="ProcessLoader's engine processes (default: its own, by the cores)")
     args = p.parse_args(argv)
+    from dataferry.client._subprocess import default_engines
+
     from ._links import Condition, ProxyLink
 
     summary = []
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 host, port = route(address)
                 url = f"http://{host}:{port}"
                 kw = dict(seconds=args.seconds, step=args.step_ms / 1e3, batch_size=args.batch_size,
-                          server_pid=address.pid, gil=args.gil)
+                          server_pid=address.pid, gil=args.gil, engines=args.engines)
                 run_once(url, "thread", "sleep", **(kw | {"seconds": 1.0}))  # warm the page cache and proxy
                 for consumer in args.consumers.split(","):
                     rows, ratios = [], []
@@ -124,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                     held = f", GIL held {args.gil:.0%}" if consumer == "gil" else ""
                     print(f"\n{rtt:g} ms RTT, consumer {consumer} (step {args.step_ms:g} ms{held}, batch "
                           f"{args.batch_size}: at most {args.batch_size / args.step_ms * 1e3:,.0f}/s), "
-                          f"{args.images} JPEGs, runs of {args.seconds:g} s:", flush=True)
+                          f"{args.images} JPEGs, runs of {args.seconds:g} s; ProcessLoader engines: "
+                          f"{args.engines or default_engines()}:", flush=True)
                     print(table(["pair", "engine", "samples/s", "loop waited", "get() us", "ready get() us",
                                  "client CPU us/sample",
                                  "server CPU us/sample"], rows), flush=True)
