@@ -500,12 +500,13 @@ class ProcessLoader(Loader):
 
     def _init_children(self) -> None:
         """At the first run: what each engine opens, with this rank's plan (resolved now, when
-        torch.distributed is up, not when the loader was made)."""
+        torch.distributed is up, not when the loader was made) and the split's id list."""
         if self._opened:
             return
         plan = self._plan_for(self.epoch)
         o = self.plan_options
         args = self._child_args[1] | {
+            "ids": self._idlist(),  # read once, here: not once more by each engine across the link
             "plan": PlanOptions(seed=o.seed, shuffle=o.shuffle, rank=plan.rank, world_size=plan.world_size,
                                 uneven=o.uneven)}
         for link, _ in self._children:

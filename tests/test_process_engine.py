@@ -307,3 +307,20 @@ def test_engines_start_with_the_loader_and_a_loader_closed_unused_leaves_nothing
     assert len(pids) == 2 and all(map(_alive, pids))  # started with the loader, before any get()
     ld.close()
     assert not any(map(_alive, pids)) and _shm() <= before
+
+
+def test_engines_get_the_id_list_from_the_loader_not_each_across_the_link(url):
+    """The split's id list is read once, by the loader, and handed to its engine processes."""
+    import urllib.request
+
+    from server_kit import live_server, parse_metrics
+
+    from dataferry.server import make_app
+
+    with live_server(lambda: make_app(url)) as live:
+        with ProcessLoader(live.base, "d", batch_size=32, engines=2, arena_bytes=1 << 20) as ld:
+            assert sorted(i for b in ld for i in b.ids.tolist()) == sorted(EXPECTED)
+        with urllib.request.urlopen(live.base + "/metrics", timeout=10) as resp:
+            metrics = parse_metrics(resp.read().decode())
+    reads = {k: v for k, v in metrics.items() if "requests_total" in k and "/splits/{split}" in k}
+    assert reads and sum(reads.values()) == 1, reads
