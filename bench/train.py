@@ -82,7 +82,8 @@ def limit_shares(intervals) -> dict[str, float]:
 
 
 #: one colour per limit in the plot
-LIMIT_COLOURS = {"link": "tab:blue", "service": "tab:red", "decode": "tab:orange", "consumer": "tab:green"}
+LIMIT_COLOURS = {"link": "tab:blue", "service": "tab:red", "decode": "tab:orange", "consumer": "tab:green",
+                 "engine": "tab:purple"}
 
 
 def plot_intervals(intervals, path: str, title: str = "") -> str:

@@ -3,10 +3,10 @@
 Every interval (``Loader(log_interval=...)``, else 10 s) the loader takes a :class:`Stats`
 snapshot, subtracts the previous one (:meth:`Stats.since`) and names the limit from that
 interval's figures alone: ``consumer`` (the loop waited less than ``STALL``, 10%),
-``decode`` (it waited more on the iterator's decode than on the loader), ``service`` (it
-waited on the loader and requests queue downstream: mean latency ``QUEUEING`` times its
-floor with ``QUEUED`` requests' worth waiting, or requests failed) or ``link`` (the window
-or byte budget full, latency at its floor). :class:`Attributor` keeps the recent
+``decode`` (it waited more on the iterator's decode than on the loader), ``engine`` (the
+engine's thread on CPU ``ENGINE_BUSY`` of the time), ``service`` (requests queue downstream:
+mean latency ``QUEUEING`` times its floor with ``QUEUED`` requests' worth waiting, or requests
+failed) or ``link`` (the window or byte budget full, latency at its floor). :class:`Attributor` keeps the recent
 :class:`Interval` s. The rules, their evidence and why each needs two conditions:
 client/README.md ("What limited it").
 """
@@ -19,16 +19,19 @@ from typing import Literal
 
 from ._stats import Stats, _ms
 
-__all__ = ["Interval", "Limit", "LIMITS", "Attributor", "attribute", "STALL", "QUEUEING", "QUEUED"]
+__all__ = ["Interval", "Limit", "LIMITS", "Attributor", "attribute", "STALL", "QUEUEING", "QUEUED", "ENGINE_BUSY"]
 
-Limit = Literal["consumer", "decode", "service", "link"]
-LIMITS: tuple[Limit, ...] = ("consumer", "decode", "service", "link")
+Limit = Literal["consumer", "decode", "engine", "service", "link"]
+LIMITS: tuple[Limit, ...] = ("consumer", "decode", "engine", "service", "link")
 
 #: the training loop waiting less than this share of the interval: data is not the limit
 STALL = 0.10
 #: mean latency this many times its floor or more, with QUEUED requests' worth waiting: requests queue downstream
 QUEUEING = 1.25
 QUEUED = 1.5
+#: the engine's thread on CPU this share of the interval or more: the client receives, checks and
+#: assembles no faster, and answers wait in its sockets (which would otherwise read as a service's queue)
+ENGINE_BUSY = 0.9
 #: intervals over which the latency floor is the minimum
 FLOOR_SPAN = 30
 
@@ -59,6 +62,11 @@ def attribute(s: Stats, floor: float | None) -> tuple[Limit, str]:
     waited = f"the loop waited {share(s.wait):.0%} of the time on the loader"
     if s.failures:
         return "service", f"{waited}; {s.failures} request(s) failed, {s.retries} sample(s) retried"
+    busy = share(s.engine_cpu)
+    if busy >= ENGINE_BUSY:
+        return "engine", (f"{waited}; the engine's thread was on CPU {busy:.0%} of the time, latency "
+                          f"{_ms(lat)} (floor {_ms(floor)}): the client's receive is the limit "
+                          "(ProcessLoader(engines=N) spreads it over processes)")
     in_flight = s.latency_sum / s.elapsed  # mean requests in flight (Little's law)
     queued = 0.0 if ratio is None else max(0.0, in_flight * (1.0 - 1.0 / ratio))
     if ratio is not None and ratio >= QUEUEING and queued >= QUEUED:

@@ -39,7 +39,7 @@ from ._plan import EpochPlan, make_plan, split_digest
 from ._doneset import DoneSet
 from ._elastic import DealtPlan, dealt_of, gather, merge_states, resume_plan
 from ._attribution import Attributor, Interval
-from ._stats import MAX_IDS, Counters, Stats, Taken, snapshot
+from ._stats import MAX_IDS, Counters, EngineCpu, Stats, Taken, snapshot
 
 if TYPE_CHECKING:
     from dataferry.schema.sources import HttpOptions
@@ -183,6 +183,7 @@ class Loader:
         self._run: Run | None = None
         self._closed = False
         self._lt = LoopThread("dataferry-engine")
+        self._cpu = EngineCpu(self._lt.thread)
         self._state: dict = {}
         self._finalizer = weakref.finalize(self, _shutdown, self._lt, self._state)
         try:
@@ -357,6 +358,7 @@ class Loader:
         t = self._taken
         if t.first is None:
             t.first = time.monotonic()
+            self._cpu.start()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
@@ -480,7 +482,7 @@ class Loader:
     # --- stats and lifetime --------------------------------------------------------------
     def stats(self) -> Stats:
         run = self._run
-        return snapshot(self._counters, self._taken, 0 if run is None else run.ready_bytes)
+        return snapshot(self._counters, self._taken, 0 if run is None else run.ready_bytes, self._cpu.seconds())
 
     # for an iterator that decodes this loader's batches (TorchIterator, DaliIterator, yours):
     # called from the thread that takes batches; the figures join stats() and the intervals

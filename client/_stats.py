@@ -9,10 +9,11 @@ consumer's) are made from those fields, :func:`snapshot` merges them into a froz
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field, fields, make_dataclass
 
-__all__ = ["Counters", "Taken", "Stats", "snapshot", "MAX_IDS"]
+__all__ = ["Counters", "Taken", "Stats", "EngineCpu", "snapshot", "MAX_IDS"]
 
 #: sample ids kept per kind of damage in ``Stats`` (the counts go on)
 MAX_IDS = 1000
@@ -75,6 +76,9 @@ class Stats:
     peak_bytes: int = _figure(ENGINE, gauge=True)
     #: the byte budget now: ``Prefetch.max_bytes``, or where a budget that follows the link has grown to
     budget: int = _figure(ENGINE, gauge=True)
+    #: seconds the engine's thread was on CPU since the first get() (several engine processes:
+    #: the busiest one's), its receive, checks and assembly: near ``elapsed``, the client is the limit
+    engine_cpu: float = _figure(ENGINE, 0.0)
     #: seconds the engine had requests to send but its window was full
     window_full: float = _figure(ENGINE, 0.0)
     #: seconds the engine had requests to send but its byte budget was full
@@ -175,10 +179,38 @@ Taken = _live(
 )
 
 
-def snapshot(c: Counters, taken: Taken, ready_bytes: int) -> Stats:
-    """Both sides' figures as one frozen :class:`Stats`."""
+class EngineCpu:
+    """CPU seconds of the engine's thread since :meth:`start`, read from any thread (Linux's
+    per-thread CPU clock; 0.0 where there is none)."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        try:
+            self._clock: int | None = time.pthread_getcpuclockid(thread.ident)
+        except (AttributeError, OSError, TypeError):
+            self._clock = None
+        self._start: float | None = None
+
+    def _now(self) -> float:
+        try:
+            return time.clock_gettime(self._clock)
+        except OSError:  # the thread has ended
+            return self._start or 0.0
+
+    def start(self) -> None:
+        if self._start is None and self._clock is not None:
+            self._start = self._now()
+
+    def seconds(self) -> float:
+        return 0.0 if self._start is None else self._now() - self._start
+
+
+def snapshot(c: Counters, taken: Taken, ready_bytes: int, engine_cpu: float | None = None) -> Stats:
+    """Both sides' figures as one frozen :class:`Stats`; ``engine_cpu``: the engine thread's CPU
+    (None: the counters' own, as an engine process sends them)."""
     now = time.monotonic()
     d = {name: getattr(c, name) for name in _ENGINE}
+    if engine_cpu is not None:
+        d["engine_cpu"] = engine_cpu
     d.update((name, tuple(v) if isinstance(v, list) else v) for name in _CONSUMER for v in (getattr(taken, name),))
     since = taken.waiting_since
     if since is not None:

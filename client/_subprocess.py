@@ -37,6 +37,7 @@ from ._elastic import DealtPlan
 from ._hardware import usable_cores
 from ._loader import Loader, _Failed
 from ._options import PlanOptions
+from ._stats import Stats, snapshot
 from ._types import Batch, EndOfEpoch
 
 __all__ = ["ProcessLoader"]
@@ -167,6 +168,10 @@ def _child_main(conn, shm_name: str, size: int, ppid: int, shard: tuple[int, int
     arena, counters = _Arena(size), loader._counters
     gen, it, last_stats = None, None, 0.0
 
+    def figures() -> dict:
+        counters.engine_cpu = loader._cpu.seconds()
+        return {f.name: getattr(counters, f.name) for f in fields(counters)}
+
     def handle(msg) -> bool:
         nonlocal gen, it
         kind = msg[0]
@@ -195,7 +200,7 @@ def _child_main(conn, shm_name: str, size: int, ppid: int, shard: tuple[int, int
                     it = None
             now = time.monotonic()
             if now - last_stats >= STATS_EVERY:
-                conn.send(("counters", {f.name: getattr(counters, f.name) for f in fields(counters)}))
+                conn.send(("counters", figures()))
                 last_stats = now
             if it is None:
                 continue
@@ -204,7 +209,7 @@ def _child_main(conn, shm_name: str, size: int, ppid: int, shard: tuple[int, int
             except TimeoutError:
                 continue
             except StopIteration:
-                conn.send(("counters", {f.name: getattr(counters, f.name) for f in fields(counters)}))
+                conn.send(("counters", figures()))
                 conn.send(("end", gen, it.epoch))
                 it = iter(loader)
                 continue
@@ -292,7 +297,8 @@ class _Group:
 
     def update(self, index: int, figures: dict) -> None:
         """Engine ``index``'s latest figures: counts, windows and budgets add up; the seconds a
-        window or budget was full are the most of any; latency is the mean, the floor the least."""
+        window or budget was full, or the engine's thread on CPU, are the most of any; latency is
+        the mean, the floor the least."""
         self.shares[index] = figures
         shares = [d for d in self.shares if d]
         for k in figures:
@@ -301,7 +307,7 @@ class _Group:
                 v = sum(values) / len(values) if values else None
             elif k == "min_latency":
                 v = min(values, default=None)
-            elif k in ("window_full", "budget_full"):
+            elif k in ("window_full", "budget_full", "engine_cpu"):
                 v = max(values, default=0.0)
             else:
                 v = sum(values)
@@ -542,6 +548,11 @@ class ProcessLoader(Loader):
             mine = state if self._engines == 1 else _shard_state(state, index, self._engines)
             link.send(("start", self._gen, mine))
         self._run = self._group
+
+    def stats(self) -> Stats:
+        """As :meth:`Loader.stats`; ``engine_cpu`` is the busiest engine process's."""
+        run = self._run
+        return snapshot(self._counters, self._taken, 0 if run is None else run.ready_bytes)
 
     def close(self) -> None:
         """Stop the engine processes and free the arenas, then close as a Loader. Idempotent."""

@@ -9,6 +9,8 @@ for the intervals after the first (warm-up). Nothing here asserts a rate.
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 import re
 import time
@@ -128,6 +130,34 @@ def test_queueing_at_the_real_service_is_named_service(tmp_path):
                     log_interval=INTERVAL) as loader:
             limits = run_for(loader, 2.5)
     assert_named(limits, "service")
+
+
+class _BusySource(MemorySource):
+    """Answers after ``delay`` s, each sample costing the engine's thread ``cpu`` s of CPU (a client
+    whose receive, checks and assembly cannot keep up: the GPU machine's one engine thread)."""
+
+    def __init__(self, *args, delay: float = 0.01, cpu: float = 0.0005, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.delay, self.cpu = delay, cpu
+
+    async def fetch(self, dataset, ids):
+        await asyncio.sleep(self.delay)
+        async for result in super().fetch(dataset, ids):
+            end = time.thread_time() + self.cpu
+            while time.thread_time() < end:
+                pass
+            yield result
+
+
+def test_a_busy_engine_thread_is_named_engine_not_the_service():
+    """Latency rises because answers wait for the engine's thread, not at the service: named engine."""
+    src = _BusySource("d", synthetic(5000).samples.values())
+    with Loader(src, "d", batch_size=32, prefetch=Prefetch(max_inflight=16, request_size=16),
+                log_interval=INTERVAL) as loader:
+        limits = run_for(loader, 2.5)
+        evidence = loader.intervals()[-1].evidence
+    assert_named(limits, "engine")
+    assert "the engine's thread was on CPU" in evidence and "ProcessLoader(engines=N)" in evidence
 
 
 def test_a_slow_decode_is_named_decode():

@@ -229,6 +229,7 @@ def test_several_engines_deliver_each_sample_once_an_epoch_and_stop_together(url
         assert len(set(pids)) == engines and all(map(_alive, pids))
         st = ld.stats()
         assert st.samples == 3 * N and st.received >= 3 * sum(map(len, EXPECTED.values()))  # every engine's figures
+        assert 0 < st.engine_cpu < st.elapsed  # the busiest engine process's thread, not this process's
     assert not any(map(_alive, pids))
     assert _shm() <= before
 
