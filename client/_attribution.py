@@ -30,8 +30,11 @@ STALL = 0.10
 QUEUEING = 1.25
 QUEUED = 1.5
 #: the engine's thread on CPU this share of the interval or more: the client receives, checks and
-#: assembles no faster, and answers wait in its sockets (which would otherwise read as a service's queue)
-ENGINE_BUSY = 0.9
+#: assembles no faster, and answers wait in its sockets (which would otherwise read as a service's
+#: queue). Answers come in bursts, so a thread busy three quarters of the time on average is already
+#: the limit: on the GPU machine at 100 ms, ~76% (80 us an image at 9.5k/s), and three engine
+#: processes doubled the rate (bench/results/gpu/README.md)
+ENGINE_BUSY = 0.75
 #: intervals over which the latency floor is the minimum
 FLOOR_SPAN = 30
 
