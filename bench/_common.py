@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from dataferry.schema._table import format_table
 
 __all__ = ["Measurement", "measure_loader", "prepared_store", "table", "cpu_seconds", "announced", "data_server",
-           "all_ids", "store_samples", "live_descendants", "stat_fields", "loader_epoch", "prefetch_of"]
+           "all_ids", "store_samples", "live_descendants", "stat_fields", "loader_epoch", "prefetch_of", "engine_count"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,6 +357,17 @@ def data_server(store_url: str, *, host: str = "127.0.0.1", wrap: Sequence[str] 
     cmd = [*wrap, sys.executable, "-m", "dataferry.server", "--store", store_url, "--host", host, "--port", "0",
            "--no-access-log", "--log-level", "WARNING", "--max-concurrent", "1024", *args]
     return announced(cmd, "the data server")
+
+
+def engine_count(engine: str) -> int | None:
+    """A bench's engine setting: ``thread``: 0 (``Loader``, the engine in this process); ``process``: 1
+    (``ProcessLoader``, one engine process); ``process:N``: N engine processes; None: not a setting."""
+    kind, _, n = engine.partition(":")
+    if kind == "thread" and not n:
+        return 0
+    if kind == "process" and (not n or (n.isdigit() and int(n) >= 1)):
+        return int(n or 1)
+    return None
 
 
 def prefetch_of(setting: str):

@@ -674,7 +674,7 @@ class ProxyThread:
     """
 
     def __init__(self, upstream: Address, link: LinkOptions = LinkOptions(), listen: Address = ("127.0.0.1", 0),
-                 *, stall_log: float | None = None, sock: socket.socket | None = None) -> None:
+                 *, stall_log: float | None = None) -> None:
         self._proxy = LatencyProxy(upstream, link, listen, stall_log=stall_log)
         self._finalizer: weakref.finalize | None = None
 

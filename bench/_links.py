@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -75,9 +74,11 @@ def _proxies(cond: Condition, *, host: str, wrap: tuple[str, ...], rate: bool, w
 
 
 def default_proxy_processes() -> int:
-    """A quarter of the cores, 1 to 4: one Python relay costs about 100 us per 110 KB image with a delay
-    (a core at ~10k images/s), under the 2+ GB/s a GPU job's 20k images/s of 110 KB need."""
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
+    """A quarter of the usable cores, 1 to 4: one Python relay costs about 100 us per 110 KB image with a
+    delay (a core at ~10k images/s), under the 2+ GB/s a GPU job's 20k images/s of 110 KB need."""
+    from dataferry.server._workers import default_workers
+
+    return max(1, min(4, default_workers() // 4))
 
 
 _NO_LOSS = "n/a: the latency proxy does not drop packets (loss needs --link netem)"
@@ -99,8 +100,7 @@ class ProxyLink:
         return _NO_LOSS if cond.loss_pct else None
 
     def emulate(self, cond: Condition):
-        return _proxies(cond, host=self.host, wrap=self.wrap, rate=self.processes == 1, window=self.window,
-                        processes=self.processes)
+        return _proxies(cond, host=self.host, wrap=self.wrap, rate=True, window=self.window, processes=self.processes)
 
     @contextlib.contextmanager
     def cassandra(self, images: int):

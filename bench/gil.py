@@ -48,8 +48,7 @@ def run_once(url: str, engine: str, consumer: str, *, seconds: float, step: floa
     from dataferry.client import Loader, Prefetch
     from dataferry.client._subprocess import ProcessLoader
 
-    kw = {"engines": engines} if engine == "process" else {}
-    cls = ProcessLoader if engine == "process" else Loader
+    cls, kw = (ProcessLoader, {"engines": engines}) if engine == "process" else (Loader, {})
     exclude = live_descendants()
     with cls(url, "bench", batch_size=batch_size, prefetch=Prefetch(max_bytes=256 << 20), **kw) as loader:
         it = iter(loader)

@@ -24,7 +24,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from ._common import data_server, prefetch_of, process_cpu_s, table
+from ._common import data_server, engine_count, prefetch_of, process_cpu_s, table
 from ._links import Condition, ProxyLink, default_proxy_processes
 from ._threadprof import Sampler, cpu_by_thread, thread_cpu
 from .decode import median_seconds, pipeline_epoch, read_files
@@ -72,7 +72,7 @@ class E2EOptions:
         if self.jpeg2000_images < 0 or (self.server_workers is not None and self.server_workers < 1):
             raise ValueError("--jpeg2000-images must be >= 0 and --server-workers >= 1")
         self.prefetches()  # each setting parses
-        if not self.engines or any(_engine_count(e) is None for e in self.engines):
+        if not self.engines or any(engine_count(e) is None for e in self.engines):
             raise ValueError(f"--engines takes thread, process and process:N, not {','.join(self.engines)!r}")
         if any(not isinstance(n, int) or n < 1 for n in self.proxy_processes):
             raise ValueError(f"--proxy-processes must be counts >= 1, not {self.proxy_processes!r}")
@@ -94,17 +94,6 @@ class E2EOptions:
                    profile_rtt=args.profile_rtt, prefetch=tuple(args.prefetch or ("default",)),
                    engines=tuple(e.strip() for e in args.engines.split(",") if e.strip()),
                    proxy_processes=_counts(args.proxy_processes, "--proxy-processes"))
-
-
-def _engine_count(engine: str) -> int | None:
-    """``thread``: 0 (the engine in this process); ``process``: 1; ``process:N``: N engine processes;
-    None: not an engine setting."""
-    kind, _, n = engine.partition(":")
-    if kind == "thread" and not n:
-        return 0
-    if kind == "process" and (not n or (n.isdigit() and int(n) >= 1)):
-        return int(n or 1)
-    return None
 
 
 def _counts(text: str | None, flag: str) -> tuple[int, ...]:
@@ -251,9 +240,8 @@ def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: s
                 codec: str = "jpeg", prefetch=("default", None), engine: str = "thread",
                 proxy: tuple[int, int] | None = None) -> RttResult:
     """``opts.epochs`` epochs of Loader (HTTP, through the proxy) → ``kind``'s iterator → tensors on ``device``;
-    ``engine="process"`` (or ``"process:N"``): ProcessLoader with 1 (or N) engines, whose engine processes' CPU joins
-    the client's; ``proxy``: the
-    link's (pid, processes), whose CPU is reported apart."""
+    ``engine="process"`` (or ``"process:N"``): ProcessLoader with 1 (or N) engines, whose engine processes'
+    CPU joins the client's; ``proxy``: the link's (pid, processes), whose CPU is reported apart."""
     from dataferry.client import Loader, ProcessLoader
 
     sync = _synchronizer(device, device_id)
@@ -264,7 +252,7 @@ def measure_rtt(link_url: str, images: int, rtt_ms: float, label: str, device: s
     c0, s0, th0 = time.process_time(), process_cpu_s(server_pid), thread_cpu()
     t0 = time.perf_counter()
     label_p, setting = prefetch
-    engines = _engine_count(engine)
+    engines = engine_count(engine)
     kw = ({} if setting is None else {"prefetch": setting}) | ({"engines": engines} if engines else {})
     with (ProcessLoader if engines else Loader)(link_url, DATASET, batch_size=opts.batch, **kw) as loader:
         it, to_device = _iterator(kind, loader, options, device, device_id)
@@ -388,10 +376,9 @@ def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, co
                                         done(measure_rtt(url_p, n, rtt, label, device, device_id, options, opts, pid,
                                                          ceil, kind=kind, codec=codec, prefetch=prefetch,
                                                          engine=engine, proxy=proxy))
-                        phost_url = routes[0][0]
                         if codec == "jpeg" and rtt == opts.profile_rtt:
                             with Sampler() as sampler:
-                                profiled = measure_rtt(phost_url, n, rtt, label, device, device_id,
+                                profiled = measure_rtt(routes[0][0], n, rtt, label, device, device_id,
                                                        options, opts, pid, ceil, kind="dali", codec=codec)
                             profile = (f"# sampling profile: dali jpeg at {rtt:g} ms RTT, {profiled.total:,.0f} images/s "
                                        f"under the profiler\n\n" + sampler.report())
@@ -408,7 +395,7 @@ def run_e2e(opts: E2EOptions, device: str, device_id: int | None, label: str, co
             f"the iterator waited on the loader {s['wait_fraction']:.0%} of the time, "
             f"peak {s['peak_bytes'] / 2**20:.0f} MiB, the byte budget full {s['budget_full']:.1f} s and the window "
             f"full {s['window_full']:.1f} s of {s['elapsed']:.1f}, the engine's thread on CPU "
-            f"{s.get('engine_cpu', 0.0) / max(s['elapsed'], 1e-9):.0%} (the busiest engine's), "
+            f"{s['engine_cpu'] / max(s['elapsed'], 1e-9):.0%} (the busiest engine's), "
             f"retries {s['retries']}; received {r.served:,.0f} images "
             f"for {s['samples']:,} delivered (the rest: look-ahead past the last epoch); the latency proxy "
             f"({r.proxy_processes} process{'es' if r.proxy_processes > 1 else ''}) used "

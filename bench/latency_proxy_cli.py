@@ -24,6 +24,8 @@ from dataferry.schema import ConfigError
 
 from dataferry.schema._aio import new_event_loop
 from dataferry.schema._units import parse_duration, parse_rate, parse_size
+from dataferry.server._workers import _die_with, bind_shared
+from dataferry.server.cli import bind
 
 from ._latency_proxy import Address, LatencyProxy, LinkOptions, format_address
 
@@ -87,41 +89,6 @@ def _exit_status(status: int) -> str:
     return f"status {os.waitstatus_to_exitcode(status)}"
 
 
-def _listening_sockets(listen: Address, n: int) -> list[socket.socket]:
-    """``n`` non-blocking sockets listening on ``listen`` with ``SO_REUSEPORT``: the kernel spreads new
-    connections across them. Port 0: the port the first one was given. OSError names the address."""
-    host, port = listen
-    socks: list[socket.socket] = []
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        for _ in range(n):
-            s = socket.socket(family, kind, proto)
-            socks.append(s)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            s.bind(address)
-            address = s.getsockname()
-            s.listen(1024)
-            s.setblocking(False)
-    except OSError as exc:
-        for s in socks:
-            s.close()
-        raise OSError(exc.errno, f"latency proxy cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
-    return socks
-
-
-def _die_with_parent(parent: int) -> None:
-    """Linux: SIGTERM this process when ``parent`` goes; exit now if it went already."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:
-        os._exit(0)
-
-
 def _run(coro) -> int:
     loop = new_event_loop()
     try:
@@ -141,7 +108,7 @@ def _fork_relays(socks: list[socket.socket], upstream: Address, link: LinkOption
             code = 1
             try:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C stops the parent, which stops us
-                _die_with_parent(parent)
+                _die_with(parent)
                 for s in socks:
                     if s is not mine:
                         s.close()
@@ -248,10 +215,10 @@ def cli(args: argparse.Namespace) -> int:
             return _run(serve_proxy(listen, upstream, link, stall_log=stall_log))
         except OSError as exc:
             raise ConfigError(str(exc)) from exc
-    try:
-        socks = _listening_sockets(listen, processes)
+    try:  # one SO_REUSEPORT socket each, as `dataferry serve --workers N` binds its workers'
+        socks = bind_shared(*listen, processes, bind)
     except OSError as exc:
-        raise ConfigError(str(exc)) from exc
+        raise ConfigError(f"latency proxy cannot listen on {listen[0]}:{listen[1]}: {exc.strerror or exc}") from exc
     children = _fork_relays(socks, upstream, link, stall_log)
     try:
         for s in socks[1:]:

@@ -16,7 +16,7 @@ import argparse
 import statistics
 import time
 
-from ._common import data_server, prepared_store, table
+from ._common import data_server, engine_count, prepared_store, table
 
 __all__ = ["main"]
 
@@ -25,12 +25,10 @@ def first_batch(url: str, kind: str, setup_s: float) -> tuple[float, float]:
     """``(seconds from making the loader, seconds after the setup)`` to the first batch."""
     from dataferry.client import Loader, ProcessLoader
 
+    engines = engine_count(kind)
+    cls, kw = (ProcessLoader, {"engines": engines}) if engines else (Loader, {})
     t0 = time.perf_counter()
-    if kind == "thread":
-        loader = Loader(url, "bench", batch_size=64)
-    else:
-        loader = ProcessLoader(url, "bench", batch_size=64, engines=int(kind.partition(":")[2] or 1))
-    with loader:
+    with cls(url, "bench", batch_size=64, **kw) as loader:
         time.sleep(setup_s)
         t1 = time.perf_counter()
         loader.get(timeout=60)

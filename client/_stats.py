@@ -181,11 +181,12 @@ Taken = _live(
 
 class EngineCpu:
     """CPU seconds of the engine's thread since :meth:`start`, read from any thread (Linux's
-    per-thread CPU clock; 0.0 where there is none)."""
+    per-thread CPU clock); None where there is none, or the engine runs elsewhere (``thread``
+    None: the figure comes in its counters, from the engine processes)."""
 
-    def __init__(self, thread: threading.Thread) -> None:
+    def __init__(self, thread: threading.Thread | None) -> None:
         try:
-            self._clock: int | None = time.pthread_getcpuclockid(thread.ident)
+            self._clock: int | None = None if thread is None else time.pthread_getcpuclockid(thread.ident)
         except (AttributeError, OSError, TypeError):
             self._clock = None
         self._start: float | None = None
@@ -200,8 +201,8 @@ class EngineCpu:
         if self._start is None and self._clock is not None:
             self._start = self._now()
 
-    def seconds(self) -> float:
-        return 0.0 if self._start is None else self._now() - self._start
+    def seconds(self) -> float | None:
+        return None if self._start is None else self._now() - self._start
 
 
 def snapshot(c: Counters, taken: Taken, ready_bytes: int, engine_cpu: float | None = None) -> Stats:

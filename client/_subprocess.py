@@ -37,7 +37,7 @@ from ._elastic import DealtPlan
 from ._hardware import usable_cores
 from ._loader import Loader, _Failed
 from ._options import PlanOptions
-from ._stats import Stats, snapshot
+from ._stats import EngineCpu
 from ._types import Batch, EndOfEpoch
 
 __all__ = ["ProcessLoader"]
@@ -168,9 +168,9 @@ def _child_main(conn, shm_name: str, size: int, ppid: int, shard: tuple[int, int
     arena, counters = _Arena(size), loader._counters
     gen, it, last_stats = None, None, 0.0
 
-    def figures() -> dict:
-        counters.engine_cpu = loader._cpu.seconds()
-        return {f.name: getattr(counters, f.name) for f in fields(counters)}
+    def figures() -> dict:  # the engine's figures as stats() has them (its thread's CPU included)
+        st = loader.stats()
+        return {f.name: getattr(st, f.name) for f in fields(counters)}
 
     def handle(msg) -> bool:
         nonlocal gen, it
@@ -454,16 +454,18 @@ class ProcessLoader(Loader):
                               "interleaves the engines' samples: drop_last=True and order='input' need engines=1")
         self._arena_bytes = arena_bytes or DEFAULT_ARENA
         self._engines = engines
-        keep = ("ids", "batch_size", "drop_last", "order", "prefetch", "retry", "hedge", "errors",
-                "token", "token_file", "ca_file", "http")
+        keep = ("batch_size", "drop_last", "order", "prefetch", "retry", "hedge", "errors",
+                "token", "token_file", "ca_file", "http")  # (and the id list, at the first run)
         child = {k: v for k, v in kwargs.items() if k in keep}
         budget = self.prefetch.max_bytes
         if engines > 1 and budget is not None:
             child["prefetch"] = replace(self.prefetch, max_bytes=max(1 << 16, budget // engines))
         self._child_args = (source, {"dataset": dataset, "split": self.split, **child})
         self._children: list = []  # (link, proc) of each engine process
+        self._child_stops: list = []
         self._group = _Group(self._counters, engines)
         self._merge = _Merge(self._queue, engines)
+        self._cpu = EngineCpu(None)  # the engines' thread CPU comes in their counters
         self._opened = False
         self._spawn()
 
@@ -477,7 +479,6 @@ class ProcessLoader(Loader):
         """Start the engine processes now, with the loader: their start (the interpreter, imports, the
         arena's pages) goes on while the job builds the rest; what they open waits for the first run."""
         ctx = mp.get_context("spawn")
-        stops = []
         try:
             for index in range(self._engines):
                 shm = shared_memory.SharedMemory(create=True, size=self._arena_bytes)
@@ -496,13 +497,10 @@ class ProcessLoader(Loader):
                                           name="dataferry-pump", daemon=True)
                 thread.start()
                 self._children.append((link, proc))
-                stops.append(weakref.finalize(self, _stop_child, link, proc, shm, thread))
+                self._child_stops.append(weakref.finalize(self, _stop_child, link, proc, shm, thread))
         except BaseException:
-            for stop in stops:
-                stop()
-            self._children = []
+            self.close()  # the engines started so far, and the loader's own loop and source
             raise
-        self._child_stops = stops
 
     def _init_children(self) -> None:
         """At the first run: what each engine opens, with this rank's plan (resolved now, when
@@ -525,9 +523,9 @@ class ProcessLoader(Loader):
         return self._engines
 
     @property
-    def engine_pid(self) -> int | None:
+    def engine_pid(self) -> int:
         """The (first) engine process's pid."""
-        return self._children[0][1].pid if self._children else None
+        return self.engine_pids[0]
 
     @property
     def engine_pids(self) -> list[int]:
@@ -549,13 +547,8 @@ class ProcessLoader(Loader):
             link.send(("start", self._gen, mine))
         self._run = self._group
 
-    def stats(self) -> Stats:
-        """As :meth:`Loader.stats`; ``engine_cpu`` is the busiest engine process's."""
-        run = self._run
-        return snapshot(self._counters, self._taken, 0 if run is None else run.ready_bytes)
-
     def close(self) -> None:
         """Stop the engine processes and free the arenas, then close as a Loader. Idempotent."""
-        for stop in getattr(self, "_child_stops", ()):
+        for stop in self._child_stops:
             stop()
         super().close()

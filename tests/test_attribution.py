@@ -58,6 +58,14 @@ def assert_named(limits: list[str], want: str) -> None:
     assert Counter(limits)[want] >= 0.8 * len(limits), limits
 
 
+def named(source, *, max_inflight: int = 16):
+    """A Loader on ``source`` (batch 32, 16 ids a request, at most ``max_inflight`` in flight) run for
+    2.5 s: the limits of its intervals after the first, and its last interval."""
+    with Loader(source, "d", batch_size=32, prefetch=Prefetch(max_inflight=max_inflight, request_size=16),
+                log_interval=INTERVAL) as loader:
+        return run_for(loader, 2.5), loader.intervals()[-1]
+
+
 def big_jpeg(side: int = 1024) -> bytes:
     from test_torch_path import jpeg  # imports torch: only from the tests that need it
 
@@ -72,11 +80,7 @@ def synthetic(n: int = 20000, size: int = 512, **kw) -> MemorySource:
 def test_a_slow_link_is_named_link():
     """100 ms per request and at most 2 requests in flight: the window is
     full and latency sits at its floor."""
-    src = synthetic(latency=0.1)
-    with Loader(src, "d", batch_size=32, prefetch=Prefetch(max_inflight=2, request_size=16),
-                log_interval=INTERVAL) as loader:
-        limits = run_for(loader, 2.5)
-        last = loader.intervals()[-1]
+    limits, last = named(synthetic(latency=0.1), max_inflight=2)
     assert_named(limits, "link")
     assert last.stats.window_full > 0 and last.floor is not None and last.floor >= 0.09
 
@@ -93,19 +97,14 @@ def test_a_slow_link_to_the_real_service_is_named_link(tmp_path):
     with live_server(lambda: make_app(url)) as live, \
             ProxyThread(("127.0.0.1", live.port), LinkOptions(delay=0.03)) as proxy:
         host, port = proxy.address
-        with Loader(f"http://{host}:{port}", "d", batch_size=32,
-                    prefetch=Prefetch(max_inflight=2, request_size=16), log_interval=INTERVAL) as loader:
-            limits = run_for(loader, 2.5)
+        limits, _ = named(f"http://{host}:{port}", max_inflight=2)
     assert_named(limits, "link")
 
 
 def test_a_service_whose_latency_rises_with_load_is_named_service():
     """Two workers at 20 ms a request: more requests in flight only queue."""
-    src = QueueingSource("d", synthetic().samples.values(), slots=2, service=0.02)
-    with Loader(src, "d", batch_size=32, prefetch=Prefetch(max_inflight=16, request_size=16),
-                log_interval=INTERVAL) as loader:
-        limits = run_for(loader, 2.5)
-        evidence = loader.intervals()[-1].evidence
+    limits, last = named(QueueingSource("d", synthetic().samples.values(), slots=2, service=0.02))
+    evidence = last.evidence
     assert_named(limits, "service")
     assert "its floor" in evidence and "queued at the service" in evidence
 
@@ -126,9 +125,7 @@ def test_queueing_at_the_real_service_is_named_service(tmp_path):
         return make_app(slow, ServerOptions(max_concurrent=2, queue_timeout=30))
 
     with live_server(build) as live:
-        with Loader(live.base, "d", batch_size=32, prefetch=Prefetch(max_inflight=16, request_size=16),
-                    log_interval=INTERVAL) as loader:
-            limits = run_for(loader, 2.5)
+        limits, _ = named(live.base)
     assert_named(limits, "service")
 
 
@@ -151,11 +148,8 @@ class _BusySource(MemorySource):
 
 def test_a_busy_engine_thread_is_named_engine_not_the_service():
     """Latency rises because answers wait for the engine's thread, not at the service: named engine."""
-    src = _BusySource("d", synthetic(5000).samples.values())
-    with Loader(src, "d", batch_size=32, prefetch=Prefetch(max_inflight=16, request_size=16),
-                log_interval=INTERVAL) as loader:
-        limits = run_for(loader, 2.5)
-        evidence = loader.intervals()[-1].evidence
+    limits, last = named(_BusySource("d", synthetic(5000).samples.values()))
+    evidence = last.evidence
     assert_named(limits, "engine")
     assert "the engine's thread was on CPU" in evidence and "ProcessLoader(engines=N)" in evidence
 

@@ -24,6 +24,8 @@ import time
 
 import pytest
 
+from proc_kit import alive, children, wait_gone
+
 from dataferry.bench._latency_proxy import DEFAULT_MAX_BUFFER, LatencyProxy, LinkOptions, ProxyThread
 from dataferry.bench.latency_proxy_cli import _parse_address, add_cli_arguments, cli, serve_proxy
 from dataferry.schema._units import parse_duration, parse_rate
@@ -703,11 +705,6 @@ def test_cli_serves_until_sigterm_then_exits_cleanly():
 # -- several relay processes (--processes N) ----------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as fh:
-        return [int(p) for p in fh.read().split()]
-
-
 def _accepted(pid: int, port: int) -> int:
     """Established TCP connections to local ``port`` (IPv4) that process ``pid`` holds."""
     with open("/proc/net/tcp") as fh:
@@ -720,14 +717,6 @@ def _accepted(pid: int, port: int) -> int:
     return len(inodes & held)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @contextlib.contextmanager
 def _proxy_processes(upstream, n: int, *extra: str):
     """``latency-proxy --processes n`` in front of ``upstream``: yields (Popen, port, relay pids)."""
@@ -738,11 +727,11 @@ def _proxy_processes(upstream, n: int, *extra: str):
         line = proc.stdout.readline()
         assert f"in {n} processes" in line, line + proc.stderr.read()
         port = int(line.split("listening on 127.0.0.1:")[1].split()[0])
-        relays = _children(proc.pid)
+        relays = children(proc.pid)
         assert len(relays) == n - 1
         yield proc, port, relays
     finally:
-        for pid in [proc.pid, *(_children(proc.pid) if proc.poll() is None else ())]:
+        for pid in [proc.pid, *(children(proc.pid) if proc.poll() is None else ())]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc.communicate()
@@ -761,10 +750,7 @@ def test_several_relay_processes_share_the_port_each_delays_and_all_stop_on_sigt
             assert all(took.values()) and sum(took.values()) == len(conns), took  # the kernel spread them
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(10) == 0
-            deadline = time.monotonic() + 5
-            while any(map(_alive, relays)) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert not any(map(_alive, relays))
+            wait_gone(relays, 5)
         finally:
             for sock in conns:
                 sock.close()
@@ -778,14 +764,11 @@ def test_a_relay_process_that_dies_stops_the_proxy_and_its_relays_die_with_the_f
             assert proc.wait(10) == 1
             err = proc.stderr.read()
             assert f"latency proxy process {relays[0]} exited (killed by SIGKILL); stopping the rest" in err, err
-            assert not _alive(relays[1])
+            assert not alive(relays[1])
         with _proxy_processes(up, 2) as (proc, port, relays):  # the first killed: the relay goes with it
             proc.kill()
             proc.wait(10)
-            deadline = time.monotonic() + 5
-            while _alive(relays[0]) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert not _alive(relays[0])
+            wait_gone(relays, 5)
 
 
 # -- the TCP window -------------------------------------------------------------

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from dataferry.schema._wire import HEADER, encode_ids
+from proc_kit import alive, children, wait_gone
 from server_kit import ended_after, make_samples, parse_metrics, seed_url
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or not os.path.isdir("/proc"), reason="forks; reads /proc")
@@ -96,35 +97,6 @@ class Served:
             self.proc.wait()
         if not self.proc.stdout.closed:
             self.proc.stdout.close()
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_bytes()
-            except OSError:
-                continue
-            if int(stat.rsplit(b")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return sorted(out)
-
-
-def alive(pid: int) -> bool:
-    """Running (not a zombie waiting for its parent)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return False
-    return stat.rsplit(b")", 1)[1].split()[0] != b"Z"
-
-
-def wait_gone(pids, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in pids):
-        assert time.monotonic() < deadline, f"still running: {[p for p in pids if alive(p)]}"
-        time.sleep(0.05)
 
 
 def listening(host: str, port: int) -> bool:
