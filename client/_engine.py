@@ -66,6 +66,7 @@ class _Req:
     #: id -> its further positions, for an id that fills several (a padded plan); usually None
     extra: dict[int, tuple[int, ...]] | None = None
     count: int = 0  # positions it fills
+    blind: bool = False  # sent before any sample's size was seen: reserved at the hint (``_top_up``)
     timed_out: bool = False  # cancelled by the deadline sweep (Retry.timeout), not by a hedge
 
     def all_positions(self) -> Iterable[int]:
@@ -128,14 +129,7 @@ class _Epoch:
         """Position ``pos`` is done: ``sample`` (None: skipped) of ``nbytes``."""
         self.pending_bytes += nbytes
         if not self.in_order:
-            if sample is None:
-                self.skipped.append(pos)
-                return
-            batch = self.batch
-            batch.append(sample)
-            self.batch_pos.append(pos)
-            if len(batch) >= self.batch_size:
-                self._flush()
+            self._take(pos, sample)
             return
         self.held[pos] = sample
         while True:
@@ -249,6 +243,8 @@ class Run(Recovery):
         #: oldest is first and one sweep (:meth:`_expire`) times them all out, no timer per request
         self._deadlines: deque[tuple[float, _Req]] = deque()
         self._reserved = 0
+        #: requests in flight sent before any size was seen, and the envelope they were topped up to
+        self._blind, self._topped = 0, float(self.link.reserve_bytes) * self.TOP_UP
         self._wake: asyncio.Future | None = None
         self._rand = random.Random(plan.seed * 1000003 + plan.epoch)
         self._ended = False
@@ -326,7 +322,7 @@ class Run(Recovery):
             self._active.clear()
             self._hedges.clear()
             self._deadlines.clear()
-            self._nreq = self._nhedge = 0
+            self._nreq = self._nhedge = self._blind = 0
             self.c.inflight = 0
 
     def _advance(self) -> None:
@@ -374,7 +370,8 @@ class Run(Recovery):
         self._poke()
 
     def _budget_allows(self, est: int, ep: _Epoch) -> bool:
-        budget = self.link.budget
+        link = self.link  # before any size is seen, samples up to RESERVE_CAP x the hint fit the budget
+        budget = link.budget if link.delivered else int(link.budget / link.RESERVE_CAP)
         fits = self._reserved + self.ready_bytes + self.taken_bytes + est <= budget
         if ep is not self.current:
             # the look-ahead holds at most half the budget: the rest stays for the current epoch
@@ -462,7 +459,8 @@ class Run(Recovery):
         per_sample = int(self.link.reserve_bytes)
         reserved = per_sample * len(positions)
         req = _Req(ep, by_id, now, attempt, reserved, per_sample, size=self.request_size,
-                   hedge=hedge_of is not None, extra=extra, count=len(positions))
+                   hedge=hedge_of is not None, extra=extra, count=len(positions), blind=not self.link.delivered)
+        self._blind += req.blind
         if hedge_of is not None:
             self._pair(hedge_of, req)  # twins, sharing the straggler's reservation
         else:
@@ -550,6 +548,8 @@ class Run(Recovery):
         else:  # the envelope decays towards the mean (half-way in about 2,800 samples)
             link.high_bytes -= (link.high_bytes - mean) * 0.00025
         link.reserve_bytes = min(link.high_bytes, link.RESERVE_CAP * mean)
+        if self._blind and link.reserve_bytes > self._topped:  # requests in flight were reserved for less
+            self._top_up(nbytes)
         if ep.first_fail:  # a retried position's bookkeeping ends when it completes
             for p in positions:
                 ep.first_fail.pop(p, None)

@@ -67,6 +67,7 @@ class Recovery:
 
     def _on_done(self, req: _Req, now: float) -> None:
         self._active.discard(req)
+        self._blind -= req.blind
         if req.hedge:
             self._nhedge -= 1
         else:
@@ -140,6 +141,33 @@ class Recovery:
             self.c.retries += len(again)
             when = now + self.retry.delay(attempt, self._rand.random())
             heapq.heappush(ep.retries, (when, next(self._seq), again, attempt))
+
+    #: the requests sent blind are topped up each time the envelope grows this much
+    TOP_UP = 1.05
+
+    def _top_up(self, arriving: int) -> None:
+        """The envelope of sample sizes (``Link.reserve_bytes``) grew while requests sent before any
+        size was seen (``_Req.blind``: reserved at ``Prefetch.sample_bytes_hint``) are in flight:
+        they get the difference for their unanswered samples, as far as the budget has room, so
+        that the dispatcher does not fill the budget on top of samples larger than it counted
+        (their excess would take the accounting past it). Requests sent since were reserved at the
+        envelope; an outlier above it is not made room for. ``arriving``: the bytes of the sample
+        in hand, its reservation already drawn. A hedged straggler's reservation is its hedge's."""
+        per_sample = int(self.link.reserve_bytes)
+        self._topped = per_sample * self.TOP_UP
+        room = self.link.budget - self._reserved - self.ready_bytes - self.taken_bytes - arriving
+        for req in self._active:
+            if not req.blind or req.per_sample >= per_sample or (req.paired and not req.hedge):
+                continue
+            unanswered = len(req.positions) - len(req.answered)
+            need = min(room, unanswered * per_sample - req.reserved)
+            if need > 0:
+                req.reserved += need
+                req.epoch.reserved += need
+                self._reserved += need
+                room -= need
+            if unanswered:  # what each answer draws: as much as there is for each (all of it, with room)
+                req.per_sample = max(req.per_sample, req.reserved // unanswered)
 
     def _pair(self, straggler: _Req, hedge: _Req) -> None:
         """``hedge`` goes out for ``straggler``'s unanswered samples: the two become twins and share

@@ -272,3 +272,23 @@ def test_one_outlier_sample_does_not_shrink_the_window_for_long():
         # a reservation of 64 KB or more (~3x a mean the outlier lifted) for a few batches, not for long
         assert sum(r >= 64_000 for r in reserves) <= 5, reserves
         assert loader.stats().peak_bytes <= 64 << 20
+
+
+def test_samples_larger_than_the_hint_keep_the_accounting_within_the_budget():
+    """Before: the first requests went out at ``sample_bytes_hint`` (128 KB) a sample until they
+    filled the budget, before any size was known; samples of 200 KB took the accounting 1.5x past
+    it (CI: 16.97 MB of a 16 MiB budget over HTTP, the JPEG-sized case above, 1 run in 10). Now,
+    before a size is seen, a third of the budget goes out, and the requests in flight are topped
+    up to the sizes seen as they arrive."""
+    budget = 8 << 20
+    samples = [Sample(i, 0, bytes(200_000 + i)) for i in range(400)]
+    prefetch = Prefetch(max_bytes=budget, request_size=4, initial_inflight=64)
+    # at once, after a round trip, and trickling over a 50 MB/s link (the first requests' samples
+    # arrive while requests sent since are in flight: the top-up's case)
+    for latency, rate in ((0.0, None), (0.05, None), (0.01, 50e6)):
+        src = MemorySource("d", samples, latency=latency, rate=rate)
+        with Loader(src, "d", batch_size=8, prefetch=prefetch) as loader:
+            got = sum(len(b) for epoch in range(2) for b in loader)
+            stats = loader.stats()
+        assert got == 800
+        assert stats.peak_bytes <= budget, f"{stats.peak_bytes:,} B held against a {budget:,} B budget"

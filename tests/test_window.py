@@ -198,7 +198,10 @@ def test_a_request_in_flight_costs_the_garbage_collector_a_few_objects_not_one_p
     # (a pause of tens of ms per full collection with thousands of requests in flight at a long
     # round trip): per request a task and its bookkeeping, not a container per id
     requests, size = 32, 256
-    prefetch = Prefetch(request_size=size, initial_inflight=requests, max_inflight=requests, max_bytes=1 << 30)
+    # the samples' size as the hint: the gate answers only once all 32 are out, and before any size
+    # is seen a third of the budget goes out (32 x 256 x the default 128 KB hint is all of 1 GiB)
+    prefetch = Prefetch(request_size=size, initial_inflight=requests, max_inflight=requests, max_bytes=1 << 30,
+                        sample_bytes_hint=16)
     with Loader(MemorySource.synthetic("d", 4 * requests * size, size=16), "d", batch_size=256,
                 prefetch=prefetch, hedge=NO_HEDGE) as warm:
         epochs(warm, 1)  # imports and first-use caches, outside the count
