@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from ._options import Hedge, Prefetch
+from ._sizer import _RequestSizer
 
 __all__ = ["Link", "quantile"]
 
@@ -36,98 +37,6 @@ def quantile(xs: Iterable[float], q: float) -> float:
     lo = int(at)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (at - lo)
-
-
-class _RequestSizer:
-    """Ids per request (``Prefetch(tune=True)`` and no ``request_size``) for one objective: samples
-    delivered per second of wall time, at the least CPU.
-
-    A request has a fixed cost ``o`` (a task, a POST and its headers, a response to open; the
-    server's work per request, which this process does not see) and a cost per sample ``c``. It
-    starts small, so the first batch is spread over several requests in flight; once the pipe is
-    full, the samples answered per wall second and this process's CPU per sample (every thread:
-    the engine's, the consumer's, decoding) are measured at that size ``n`` and at ``2n``. ``2n``
-    is kept unless it delivered ``SAVING`` fewer samples a second and cost no ``SAVING`` less CPU
-    (a larger request never costs the server more, so a tie goes to it); where ``2n`` saved CPU,
-    the size is the smallest power-of-two multiple of ``n`` past which a doubling would save less
-    than ``SAVING`` (``c + o/n`` against ``c + o/2n``), within ``Link._size_cap``. Decided once
-    per loader (a slow link may still cut it: ``Link._fit_size``).
-    """
-
-    SAVING = 0.05
-    #: a measurement: PARTS parts of at least this many samples, requests and seconds each (the
-    #: best part counts: interference from other processes only ever adds CPU and takes rate)
-    SAMPLES, REQUESTS, SECONDS, PARTS = 1024, 8, 0.1, 3
-
-    def __init__(self, size: int, cap: Callable[[], int]) -> None:
-        self.size = size
-        self._cap = cap  # the most ids per request now (Link._size_cap), asked when deciding
-        self.done = False
-        self.settle = 32  # answers to let pass first (the start, or the old size's after a change)
-        self._parts: list[tuple[float, float]] = []  # (CPU s per sample, samples per s)
-        self._samples = self._requests = 0
-        self._cpu0: float | None = None
-        self._t0 = 0.0
-        self._before: tuple[float, float] | None = None  # (CPU per sample, rate) at the first size
-
-    def answered(self, size: int, samples: int, window: float) -> tuple[int, str] | None:
-        """A request of ``size`` ids came back with ``samples``: a new size and why, or None."""
-        if self.done or size != self.size:
-            return None
-        if self.settle > 0:
-            self.settle -= 1
-            return None
-        if self._cpu0 is None:
-            self._cpu0, self._t0 = time.process_time(), time.monotonic()
-            return None
-        self._samples += samples
-        self._requests += 1
-        if self._samples < self.SAMPLES or self._requests < self.REQUESTS:
-            return None
-        t = time.monotonic()
-        if t - self._t0 < self.SECONDS:
-            return None
-        now = time.process_time()
-        self._parts.append(((now - self._cpu0) / self._samples, self._samples / (t - self._t0)))
-        self._cpu0, self._t0, self._samples, self._requests = now, t, 0, 0
-        if len(self._parts) < self.PARTS:
-            return None
-        b = min(c for c, _ in self._parts)
-        rb = max(r for _, r in self._parts)
-        self._parts, self._cpu0 = [], None
-        n = self.size
-        upper = max(n, self._cap())
-        if self._before is None:  # measured at the first size: now at twice that
-            self._before = (b, rb)
-            if n * 2 > upper:
-                self.done = True
-                return n, (f"{n} ids per request: {rb:,.0f} samples/s at {b * 1e6:.1f} us of CPU per sample; "
-                           "the byte budget allows no more")
-            self.size = n * 2
-            self.settle = int(window) + 1
-            return self.size, (f"{n} ids per request: {rb:,.0f} samples/s at {b * 1e6:.1f} us of CPU per sample; "
-                               f"trying {n * 2}")
-        self.done = True
-        (a, ra), small = self._before, n // 2  # at n/2 and at n
-        seen = (f"{small} ids per request: {ra:,.0f} samples/s at {a * 1e6:.1f} us of CPU per sample; "
-                f"{n}: {rb:,.0f} at {b * 1e6:.1f}")
-        if rb < (1 - self.SAVING) * ra and b > (1 - self.SAVING) * a:
-            self.size = small
-            return small, f"{seen}: slower and no cheaper; back to {small}"
-        if a - b <= self.SAVING * a:
-            return n, f"{seen}: as fast or faster, and fewer requests for the server; {n} ids"
-        # a = c + o / small, b = c + o / n: the per-request overhead o and the per-sample cost c
-        overhead = (a - b) * n
-        cost = max(b - (a - b), 1e-9)
-        # the size past which doubling saves less than SAVING: o/(2m) < SAVING (c + o/m)
-        best = overhead * (0.5 - self.SAVING) / (self.SAVING * cost)
-        size = n
-        while size < best and size * 2 <= upper:
-            size *= 2
-        self.size = size
-        capped = "; the byte budget allows no more" if size * 2 > upper and size < best else ""
-        return size, (f"{seen}: about {overhead * 1e6:.0f} us per request and {cost * 1e6:.1f} us per sample, "
-                      f"so {size} ids{capped}")
 
 
 class Link:
@@ -261,7 +170,8 @@ class Link:
         else:
             # small first: the first batch spread over about eight requests in flight together
             self.request_size = max(4, min(preferred, -(-batch_size // 8)))
-            self.sizer = _RequestSizer(self.request_size, self._size_cap)
+            self.sizer = _RequestSizer(self.request_size, self._size_cap, lambda: self._size_cap(False),
+                                       self.link_round_trip)
         if p.initial_inflight is not None:
             self.window = float(p.initial_inflight)
         elif self.tuned:
@@ -272,14 +182,15 @@ class Link:
             self.window = 2.0
         self._log("start", f"window starts at {self.window:g} requests of {self.request_size} ids")
 
-    def _size_cap(self) -> int:
+    def _size_cap(self, long_link: bool = True) -> int:
         """The most ids per request the tuner may choose: 16 requests fit in ``max_bytes``, one
         is at most ``REQUEST_BYTES`` (a retry, a hedge, a timeout stay small), and at most the
         source's ``max_request_bytes`` (``WAN_REQUEST_BYTES`` unless it says) over a round trip of
-        ``LINK_RTT_S`` or more; 1024."""
+        ``LINK_RTT_S`` or more (``long_link=False``: not that limit; the sizer goes past it only
+        for sizes whose answers it saw come within a round trip); 1024."""
         most = min(self.budget / 16, self.REQUEST_BYTES)
         rtt = self.link_round_trip()
-        wan = rtt is not None and rtt >= self.LINK_RTT_S
+        wan = long_link and rtt is not None and rtt >= self.LINK_RTT_S
         if wan and self.wan_request_bytes is not None:
             most = min(most, self.wan_request_bytes)
         return max(1, min(1024, int(most / self.mean_bytes)))
@@ -466,7 +377,7 @@ class Link:
         p = self.prefetch
         if self.sizer is not None and samples and not self.sizer.done and self.filled:
             # measured once the window has stopped growing: a growing window costs CPU of its own
-            change = self.sizer.answered(size, samples, self.window)
+            change = self.sizer.answered(size, samples, self.window, None if first is None else latency - first)
             if change is not None:
                 self._resize(*change)
         if not full:

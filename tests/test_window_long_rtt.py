@@ -39,27 +39,49 @@ def test_a_source_without_a_per_request_byte_limit_gets_larger_requests_over_a_l
 
 
 class Plain:
-    """A source that says nothing about its requests' bytes (as HttpSource and the stores)."""
+    """A source that says nothing about its requests' bytes (as HttpSource and the stores); with
+    ``window``, a TCP window of that many bytes: an answer's bytes beyond each window come one
+    more round trip (the source's latency) later."""
 
-    def __init__(self, inner: Overhead) -> None:
-        self.inner, self.sizes = inner, inner.sizes
+    def __init__(self, inner: Overhead, window: int | None = None) -> None:
+        self.inner, self.sizes, self.window = inner, inner.sizes, window
 
-    def fetch(self, dataset, ids):
-        return self.inner.fetch(dataset, ids)
+    async def fetch(self, dataset, ids):
+        sent, window = 0, self.window
+        async for r in self.inner.fetch(dataset, ids):
+            if window is not None and sent and (sent + len(r.data) - 1) // window > (sent - 1) // window:
+                await asyncio.sleep(self.inner.latency)  # the sender waits for the window's acks
+            sent += len(r.data)
+            yield r
 
     async def read_split(self, dataset, split):
         return await self.inner.read_split(dataset, split)
 
 
-def test_a_source_that_says_nothing_keeps_the_long_round_trip_cap():
-    # no max_request_bytes attribute (HttpSource, a store): today's 6 MiB a request over a long
-    # round trip, 62 ids of 100 kB, so 32 in powers of two from batch / 8
+# 100 ms: a round trip well above this process's own spread of an answer (0-41 ms here, loaded);
+# 3 ms of the engine thread's CPU a request, so that the sizer wants the largest requests allowed
+# whatever the load (at 1 ms its model read 0.1-1.1 ms a request at 100 ms, and kept 16-32 ids)
+def test_a_source_that_says_nothing_keeps_the_long_round_trip_cap_where_a_window_holds_less():
+    # no max_request_bytes attribute (HttpSource, a store): 6 MiB a request over a long round trip,
+    # 62 ids of 100 kB, so 32 in powers of two from batch / 8. Past it, 64 ids spread over a
+    # second round trip through a 6 MiB window: back to 32
     n = 12288
-    src = Plain(Overhead("d", shared(n, 100_000), latency=0.02, cpu=0.001))
+    src = Plain(Overhead("d", shared(n, 100_000), latency=0.1, cpu=0.003), window=6 << 20)
     assert not hasattr(src, "max_request_bytes")
-    size, sizes = tuned_size(src, n, 2)
+    size, sizes = tuned_size(src, n, 4)
     assert size == 32, (size, sizes)
-    assert max(sizes) <= Link.WAN_REQUEST_BYTES // 100_000, sizes
+    assert max(sizes) <= 64 and sizes[64] < 60, sizes
+
+
+def test_past_the_long_round_trip_cap_a_size_is_kept_once_its_answers_come_within_a_round_trip():
+    # the same source with each answer in one round trip (a window that holds 16 MiB, as the
+    # latency proxy's 32 MiB): the sizer goes past 6 MiB one doubling at a time, each kept once
+    # its answers came within the round trip, up to 128 ids (16 MiB, the engine's own limit)
+    n = 12288
+    src = Plain(Overhead("d", shared(n, 100_000), latency=0.1, cpu=0.003))
+    size, sizes = tuned_size(src, n, 4)
+    assert size == 128, (size, sizes)
+    assert sizes[128] > 10, sizes
 
 
 class Generations(MemorySource):

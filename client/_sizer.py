@@ -1,0 +1,178 @@
+"""The request sizer: :class:`_RequestSizer` picks the ids per request (``Prefetch(tune=True)``
+and no ``request_size``) for samples delivered per wall second at the least CPU, once per
+loader; over a long round trip, a size past what one TCP window usually carries is kept only
+once its answers were seen to come within one round trip. ``_tuner.Link`` feeds it each whole
+request's answer and applies what it decides. The rules: client/README.md (Window).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+__all__ = ["_RequestSizer"]
+
+
+class _RequestSizer:
+    """Ids per request (``Prefetch(tune=True)`` and no ``request_size``) for one objective: samples
+    delivered per second of wall time, at the least CPU.
+
+    A request has a fixed cost ``o`` (a task, a POST and its headers, a response to open; the
+    server's work per request, which this process does not see) and a cost per sample ``c``. It
+    starts small, so the first batch is spread over several requests in flight; once the pipe is
+    full, the samples answered per wall second and this process's CPU per sample (every thread:
+    the engine's, the consumer's, decoding) are measured at that size ``n`` and at ``2n``. ``2n``
+    is kept unless it delivered ``SAVING`` fewer samples a second and cost no ``SAVING`` less CPU
+    (a larger request never costs the server more, so a tie goes to it); where ``2n`` saved CPU,
+    the size is the smallest power-of-two multiple of ``n`` past which a doubling would save less
+    than ``SAVING`` (``c + o/n`` against ``c + o/2n``), within ``Link._size_cap``. Decided once
+    per loader (a slow link may still cut it: ``Link._fit_size``).
+
+    Over a long round trip ``Link._size_cap`` holds a request to what one TCP window usually
+    carries (6 MiB), but a link may carry more in one round trip. Past that limit a size is kept
+    only once its answers were seen to come within one: a window that does not hold an answer
+    delivers its rest at least a round trip after its first bytes, so the least spread between
+    a request's first and last sample over ``REQUESTS`` answers must be under ``WINDOW_SHARE`` of
+    the round trip (where this process's own handling spreads answers that far, it errs towards
+    the limit). The sizes are checked one doubling at a time; a size that spreads goes back to half.
+    """
+
+    SAVING = 0.05
+    #: a measurement: PARTS parts of at least this many samples, requests and seconds each (the
+    #: best part counts: interference from other processes only ever adds CPU and takes rate)
+    SAMPLES, REQUESTS, SECONDS, PARTS = 1024, 8, 0.1, 3
+    #: past the long-link limit, a size's answers must come within this share of the round trip
+    WINDOW_SHARE = 0.5
+
+    def __init__(self, size: int, cap: Callable[[], int], wide: Callable[[], int] | None = None,
+                 rtt: Callable[[], float | None] | None = None) -> None:
+        self.size = size
+        self._cap = cap  # the most ids per request now (Link._size_cap), asked when deciding
+        self._wide, self._rtt = wide, rtt  # the most without the long-link limit; the link's round trip
+        self.verified = 0  # the largest size past the long-link limit seen to come within a round trip
+        self._target = 0  # checking sizes one doubling at a time up to this (0: not checking)
+        self._spread = float("inf")  # the least first-to-last spread of an answer at this size
+        self.done = False
+        self.settle = 32  # answers to let pass first (the start, or the old size's after a change)
+        self._parts: list[tuple[float, float]] = []  # (CPU s per sample, samples per s)
+        self._samples = self._requests = 0
+        self._cpu0: float | None = None
+        self._t0 = 0.0
+        self._before: tuple[float, float] | None = None  # (CPU per sample, rate) at the first size
+
+    def answered(self, size: int, samples: int, window: float,
+                 spread: float | None = None) -> tuple[int, str] | None:
+        """A request of ``size`` ids came back with ``samples``, its last sample ``spread``
+        seconds after its first: a new size and why, or None."""
+        if self.done or size != self.size:
+            return None
+        if self.settle > 0:
+            self.settle -= 1
+            return None
+        whole = samples >= size  # a short request (an epoch's tail) says nothing of a window
+        if whole and spread is not None and spread < self._spread:
+            self._spread = spread
+        if self._target:
+            return self._check() if whole else None
+        if self._cpu0 is None:
+            self._cpu0, self._t0 = time.process_time(), time.monotonic()
+            return None
+        self._samples += samples
+        self._requests += 1
+        if self._samples < self.SAMPLES or self._requests < self.REQUESTS:
+            return None
+        t = time.monotonic()
+        if t - self._t0 < self.SECONDS:
+            return None
+        now = time.process_time()
+        self._parts.append(((now - self._cpu0) / self._samples, self._samples / (t - self._t0)))
+        self._cpu0, self._t0, self._samples, self._requests = now, t, 0, 0
+        if len(self._parts) < self.PARTS:
+            return None
+        b = min(c for c, _ in self._parts)
+        rb = max(r for _, r in self._parts)
+        self._parts, self._cpu0 = [], None
+        n = self.size
+        upper = max(n, self._cap())
+        wide = max(upper, self._wide()) if self._wide is not None else upper
+        if self._before is None:  # measured at the first size: now at twice that
+            self._before = (b, rb)
+            if n * 2 > wide:
+                self.done = True
+                return n, (f"{n} ids per request: {rb:,.0f} samples/s at {b * 1e6:.1f} us of CPU per sample; "
+                           "the byte budget allows no more")
+            beyond = "" if n * 2 <= upper else " (past the long round trip's limit: kept if it comes within one)"
+            return self._resize(n * 2, window, f"{n} ids per request: {rb:,.0f} samples/s at {b * 1e6:.1f} us "
+                                               f"of CPU per sample; trying {n * 2}{beyond}")
+        self.done = True
+        (a, ra), small = self._before, n // 2  # at n/2 and at n
+        if n > upper:  # past the long-link limit: kept only if its answers came within a round trip
+            if not self._holds():
+                self.size = small
+                return small, self._spread_out(n, small)
+            self.verified = n
+        upper = max(upper, self.verified)
+        seen = (f"{small} ids per request: {ra:,.0f} samples/s at {a * 1e6:.1f} us of CPU per sample; "
+                f"{n}: {rb:,.0f} at {b * 1e6:.1f}")
+        if rb < (1 - self.SAVING) * ra and b > (1 - self.SAVING) * a:
+            self.size = small
+            return small, f"{seen}: slower and no cheaper; back to {small}"
+        if a - b <= self.SAVING * a:
+            return n, f"{seen}: as fast or faster, and fewer requests for the server; {n} ids"
+        # a = c + o / small, b = c + o / n: the per-request overhead o and the per-sample cost c
+        overhead = (a - b) * n
+        cost = max(b - (a - b), 1e-9)
+        # the size past which doubling saves less than SAVING: o/(2m) < SAVING (c + o/m)
+        best = overhead * (0.5 - self.SAVING) / (self.SAVING * cost)
+        size = n
+        while size < best and size * 2 <= wide:
+            size *= 2
+        model = f"{seen}: about {overhead * 1e6:.0f} us per request and {cost * 1e6:.1f} us per sample"
+        if size > upper:  # past the long-link limit: one doubling at a time, each seen to come within a round trip
+            ok = n
+            while ok * 2 <= upper:
+                ok *= 2
+            self.done, self._target = False, size
+            return self._resize(ok * 2, 0, f"{model}, so {size} ids: trying {ok * 2} first "
+                                           "(past the long round trip's limit: kept if it comes within one)")
+        self.size = size
+        capped = "; the byte budget allows no more" if size * 2 > wide and size < best else ""
+        return size, f"{model}, so {size} ids{capped}"
+
+    def _check(self) -> tuple[int, str] | None:
+        """Checking a size past the long-link limit: after ``REQUESTS`` answers, keep it (and go
+        on doubling towards the target) if they came within a round trip, else back to half."""
+        self._requests += 1
+        if self._requests < self.REQUESTS:
+            return None
+        n = self.size
+        if not self._holds():
+            self.done, self._target, self.size = True, 0, n // 2
+            return n // 2, self._spread_out(n, n // 2)
+        self.verified = n
+        rtt = self._rtt() if self._rtt is not None else 0.0
+        came = (f"{n} ids came within the round trip (first to last sample {self._spread * 1e3:.0f} ms, "
+                f"round trip {rtt * 1e3:.0f} ms)")
+        if n * 2 <= self._target:
+            return self._resize(n * 2, 0, f"{came}: trying {n * 2}")
+        self.done, self._target = True, 0
+        return n, f"{came}: {n} ids"
+
+    def _resize(self, size: int, window: float, why: str) -> tuple[int, str]:
+        """Measure at ``size`` next: its rate after the requests of the old size in flight
+        (``window``), its spread from its first answer (``window`` 0)."""
+        self.size, self.settle = size, int(window) + 1 if window else 0
+        self._requests, self._spread = 0, float("inf")
+        return size, why
+
+    def _holds(self) -> bool:
+        """The least spread of an answer at this size is under ``WINDOW_SHARE`` of the round trip."""
+        rtt = self._rtt() if self._rtt is not None else None
+        return rtt is not None and self._spread < self.WINDOW_SHARE * rtt
+
+    def _spread_out(self, n: int, small: int) -> str:
+        rtt = self._rtt() if self._rtt is not None else None
+        spread = "no answer measured" if self._spread == float("inf") else f"{self._spread * 1e3:.0f} ms"
+        over = "an unknown round trip" if rtt is None else f"a {rtt * 1e3:.0f} ms round trip"
+        return (f"the answers of {n} ids spread {spread} from first to last sample over {over}: more than "
+                f"one TCP window a request; back to {small}")
