@@ -243,7 +243,7 @@ class Run(Recovery):
         #: oldest is first and one sweep (:meth:`_expire`) times them all out, no timer per request
         self._deadlines: deque[tuple[float, _Req]] = deque()
         self._reserved = 0
-        #: requests in flight sent before any size was seen, and the envelope they were topped up to
+        #: requests in flight sent before any size was seen, and the envelope that tops them up again
         self._blind, self._topped = 0, float(self.link.reserve_bytes) * self.TOP_UP
         self._wake: asyncio.Future | None = None
         self._rand = random.Random(plan.seed * 1000003 + plan.epoch)

@@ -44,12 +44,11 @@ class _RequestSizer:
     #: past the long-link limit, a size's answers must come within this share of the round trip
     WINDOW_SHARE = 0.5
 
-    def __init__(self, size: int, cap: Callable[[], int], wide: Callable[[], int] | None = None,
-                 rtt: Callable[[], float | None] | None = None) -> None:
+    def __init__(self, size: int, cap: Callable[[], int], wide: Callable[[], int],
+                 rtt: Callable[[], float | None]) -> None:
         self.size = size
         self._cap = cap  # the most ids per request now (Link._size_cap), asked when deciding
         self._wide, self._rtt = wide, rtt  # the most without the long-link limit; the link's round trip
-        self.verified = 0  # the largest size past the long-link limit seen to come within a round trip
         self._target = 0  # checking sizes one doubling at a time up to this (0: not checking)
         self._spread = float("inf")  # the least first-to-last spread of an answer at this size
         self.done = False
@@ -94,7 +93,7 @@ class _RequestSizer:
         self._parts, self._cpu0 = [], None
         n = self.size
         upper = max(n, self._cap())
-        wide = max(upper, self._wide()) if self._wide is not None else upper
+        wide = max(upper, self._wide())
         if self._before is None:  # measured at the first size: now at twice that
             self._before = (b, rb)
             if n * 2 > wide:
@@ -110,8 +109,7 @@ class _RequestSizer:
             if not self._holds():
                 self.size = small
                 return small, self._spread_out(n, small)
-            self.verified = n
-        upper = max(upper, self.verified)
+            upper = n
         seen = (f"{small} ids per request: {ra:,.0f} samples/s at {a * 1e6:.1f} us of CPU per sample; "
                 f"{n}: {rb:,.0f} at {b * 1e6:.1f}")
         if rb < (1 - self.SAVING) * ra and b > (1 - self.SAVING) * a:
@@ -149,10 +147,8 @@ class _RequestSizer:
         if not self._holds():
             self.done, self._target, self.size = True, 0, n // 2
             return n // 2, self._spread_out(n, n // 2)
-        self.verified = n
-        rtt = self._rtt() if self._rtt is not None else 0.0
         came = (f"{n} ids came within the round trip (first to last sample {self._spread * 1e3:.0f} ms, "
-                f"round trip {rtt * 1e3:.0f} ms)")
+                f"round trip {(self._rtt() or 0.0) * 1e3:.0f} ms)")
         if n * 2 <= self._target:
             return self._resize(n * 2, 0, f"{came}: trying {n * 2}")
         self.done, self._target = True, 0
@@ -167,11 +163,11 @@ class _RequestSizer:
 
     def _holds(self) -> bool:
         """The least spread of an answer at this size is under ``WINDOW_SHARE`` of the round trip."""
-        rtt = self._rtt() if self._rtt is not None else None
+        rtt = self._rtt()
         return rtt is not None and self._spread < self.WINDOW_SHARE * rtt
 
     def _spread_out(self, n: int, small: int) -> str:
-        rtt = self._rtt() if self._rtt is not None else None
+        rtt = self._rtt()
         spread = "no answer measured" if self._spread == float("inf") else f"{self._spread * 1e3:.0f} ms"
         over = "an unknown round trip" if rtt is None else f"a {rtt * 1e3:.0f} ms round trip"
         return (f"the answers of {n} ids spread {spread} from first to last sample over {over}: more than "
