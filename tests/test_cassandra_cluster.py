@@ -7,7 +7,8 @@ window before hints replay, made certain. Each test leaves every node up.
 
 * a node SIGKILLed mid-epoch and restarted: every epoch exact, byte-identical;
 * a node frozen (SIGSTOP) for 30 s (three request timeouts): the longest wait
-  between batches stays under one request timeout;
+  between batches stays under one request timeout; a read of it waits one
+  timeout, not two; once it answers again it is read from again;
 * samples written with a node down, then read once it is back: none missing
   at the default consistency (the control: that node alone holds none of them);
 * ``dataferry schema apply``, then an ingest, with a node down, the ingest
@@ -34,6 +35,7 @@ import numpy as np
 import pytest
 
 from conftest import _no_cassandra
+from dataferry.bench._devcassandra import _query
 from dataferry.bench._latency_proxy import LinkOptions, ProxyThread
 from dataferry.client import Loader, Prefetch
 from dataferry.schema import (
@@ -196,13 +198,70 @@ def test_reads_of_a_frozen_replica_time_out_once_and_are_answered_by_another(nod
     assert took < TRIES * 2 + 3, took
 
 
+def test_a_read_of_a_frozen_replica_waits_one_timeout_not_two(nodes, streamed):
+    """The hot path's own timer. A read that timed out and was sent again to another replica
+    armed the timer for its own deadline, a timeout later, so the reads sent to the frozen node
+    after the first waited for that one too: two timeouts (a training loop waited 11 s in a
+    full-suite run, 19.7 s with a second cluster beside it). Each now waits one, and the stall
+    (``timeout / 4``) before the node is passed over."""
+    url, digest = streamed
+    timeout = 4.0
+    ids = list(digest)[:300]
+
+    async def read():
+        async with await open_store(f"{url}?request_timeout={timeout:g}", create=False) as store:
+            await asyncio.sleep(1.0)  # the keyspace's replicas are known: reads are token-aware
+            nodes.nodes[2].freeze()
+            try:
+                start = time.monotonic()
+                got = [r async for r in store.fetch("d", ids)]
+                return got, time.monotonic() - start
+            finally:
+                nodes.nodes[2].thaw()
+
+    got, took = asyncio.run(read())
+    assert sorted(r.id for r in got) == sorted(ids)
+    assert all(hashlib.sha256(r.data).digest() == digest[r.id] for r in got)
+    # one timeout, the stall, the read sent again: 4.6-5.0 s here; two timeouts (8 s) before
+    assert took < 1.5 * timeout + 1, took
+
+
+def test_a_replica_back_from_a_freeze_is_read_from_again(nodes, streamed):
+    """A node frozen while a store reads is passed over; once it answers again (a probe of its
+    own, not a read: a read sent to a frozen node waits out its timeout) it takes its share of
+    the reads again, not two nodes all of them for the store's lifetime. Counted on the node
+    itself (``system_views.clients``: requests per client connection)."""
+    url, digest = streamed
+    back = nodes.nodes[2]
+    cql = "SELECT request_count FROM system_views.clients"
+
+    async def read():
+        async with await open_store(f"{url}?request_timeout=2", create=False) as store:
+            await asyncio.sleep(1.0)
+            back.freeze()
+            try:
+                frozen = [r async for r in store.fetch("d", list(digest))]
+            finally:
+                back.thaw()
+            thawed = [r async for r in store.fetch("d", list(digest))]  # the first reads probe it
+            before = sum(row[0] for row in _query(back.address, nodes.port, cql))
+            again = [r async for r in store.fetch("d", list(digest))]
+            after = sum(row[0] for row in _query(back.address, nodes.port, cql))
+            return frozen, thawed + again, after - before
+
+    frozen, thawed, served = asyncio.run(read())
+    assert len(frozen) == len(digest) and len(thawed) == 2 * len(digest)
+    assert all(isinstance(r, Sample) for r in frozen + thawed)
+    # a third of the reads are the node's by the ring (the counting query's own connection adds
+    # a few requests); before, the node got none for as long as the store was open
+    assert served > len(digest) // 6, served
+
+
 def test_samples_written_with_a_node_down_are_all_found_once_it_is_back(nodes):
     """Written at the default consistency (LOCAL_QUORUM) with the third node down, then read
     once it is back, before anything repaired it. The control: that node alone (the other
     two killed) holds none of them, so a read at ONE that it answers finds nothing. At the
     default every sample is found, and a Loader's epoch is exact."""
-    from dataferry.bench._devcassandra import _query
-
     url = keyspace(nodes)
     name = parse_store_url(url).keyspace
     samples = random_samples(300, 2_000, seed=3)
@@ -254,7 +313,6 @@ def _ingest(url: str, folder: Path, dataset: str, log: Path) -> subprocess.Popen
 def test_schema_apply_and_an_ingest_with_a_node_down_killed_and_run_again_are_exact(nodes, tmp_path):
     """``dataferry schema apply`` completes with a node down; an ingest then, killed once its
     first batch is in and run again, is exact; the node that was down has the tables once back."""
-    from dataferry.bench._devcassandra import _query
     from dataferry.schema import make_synthetic
 
     folder = tmp_path / "images"

@@ -159,6 +159,12 @@ def _frame_size(buf: bytearray, start: int, end: int) -> int:
 
 #: hosts a read that times out is sent to, one after another (RF 3: each replica once)
 TRIES = 3
+#: what a stalled host is asked (``HotReads._probe``): node-local, answered from memory
+_PROBE = "SELECT release_version FROM system.local"
+
+
+def _ignore(_exc, *_args) -> None:
+    """A probe that failed or timed out: the host stays stalled until the next one."""
 
 
 class Again(Exception):
@@ -293,10 +299,12 @@ class HotReads:
     Which replica: the first of the token-aware plan (ring order), except
 
     * a host that looks stalled: nothing heard from it for ``stall`` seconds while a read sent
-      to it is older than that, or since one of its reads timed out. One read in ``stall``
-      seconds still goes to it, a probe, so that a host back from a pause is used again;
+      to it is older than that, or since one of its reads timed out. It is probed once in
+      ``stall`` seconds (a query of its own, not a read), so that a host back from a pause is
+      read from again once it answers;
     * for a read of a key already in flight (the engine's hedge, or its retry of a request
-      that is still partly in flight), the hosts the earlier reads went to.
+      that is still partly in flight), the hosts the earlier reads went to, unless all others
+      are stalled: then a replica already reading the key.
 
     A read that times out is sent once more, to a replica it has not tried, before its
     timeout is reported: a node that stops answering without closing its connections costs
@@ -307,6 +315,7 @@ class HotReads:
                  connections: int = 1) -> None:
         from cassandra.protocol import ResultMessage
 
+        self._session = session
         self._pools = session._pools
         self._cluster = session.cluster
         self._more = connections - 1  # connections per host beyond the pool's one
@@ -327,7 +336,7 @@ class HotReads:
         self._by_host: dict = {}  # host -> deque of its reads, oldest first (pruned when the host is considered)
         self._heard: dict = {}  # host -> time.monotonic() of its last answer (written by the IO thread)
         self._timed_out: dict = {}  # host -> when a read of it last timed out
-        self._probe_at: dict = {}  # host -> when a stalled host may get its next read
+        self._probe_at: dict = {}  # host -> when a stalled host may be probed again
         self._timer = None
         self._closed = False
 
@@ -440,29 +449,47 @@ class HotReads:
 
     def _choose(self, plan, avoid: tuple, now: float):
         """``(host, pool)``: the first host of ``plan`` with an open pool that is neither stalled
-        nor in ``avoid``; else the first stalled one due a probe; else the first not in ``avoid``;
-        else the first with a pool."""
-        first = probe = other = None
+        nor in ``avoid``; else one in ``avoid`` that is not stalled (a second read on a replica
+        already reading the key beats one on a replica that answers nothing: a hedge sent to a
+        frozen node cost the training loop a whole timeout that way); else the first not in
+        ``avoid``; else the first with a pool. A stalled host met on the way is probed
+        (:meth:`_probe`), once in ``stall`` seconds."""
+        first = other = again = None
         for k, host in enumerate(plan):
             pool = self._pools.get(host)
             if pool is None or pool.is_shutdown:
                 continue
             if first is None:
                 first = (host, pool)
+            stalled = self._stalled(host, now)
+            if stalled and now >= self._probe_at.get(host, 0.0):
+                self._probe(host, now)
             if host in avoid:
+                if again is None and not stalled:
+                    again = (host, pool)
                 continue
             if other is None:
                 other = (host, pool)
-            if not self._stalled(host, now):
+            if not stalled:
                 return host, pool
-            elif probe is None and now >= self._probe_at.get(host, 0.0):
-                probe = (host, pool)
             if k >= 8:  # the replicas come first: past them, take what was found
                 break
-        if probe is not None:
-            self._probe_at[probe[0]] = now + self._stall
-            return probe
-        return other or first or (None, None)
+        return again or other or first or (None, None)
+
+    def _probe(self, host, now: float) -> None:
+        """Ask stalled ``host`` for its version (the driver's path, this read's timeout): its answer
+        makes it a replica to read from again. A probe of its own, not a read of the caller's: a
+        read sent to a frozen node waits out its timeout, and a training loop may be waiting on it."""
+        self._probe_at[host] = now + self._stall
+        try:
+            future = self._session.execute_async(_PROBE, timeout=self._timeout, host=host)
+        except Exception:  # noqa: BLE001 - the session is shutting down: nothing to probe
+            return
+        future.add_callbacks(self._probed, _ignore, callback_args=(host,))
+
+    def _probed(self, _rows, host) -> None:
+        """The driver's IO thread: ``host`` answered a probe."""
+        self._heard[host] = time.monotonic()
 
     def _stalled(self, host, now: float) -> bool:
         """Whether nothing was heard from ``host`` for ``stall`` seconds while a read of it is
@@ -501,8 +528,11 @@ class HotReads:
                 del self._keys[read.params]
             if not read.done:
                 self._time_out(read)
-        if reads and self._timer is None:
-            self._timer = self._loop.call_at(reads[0].deadline, self._expire)
+        # the earliest deadline: a read timed out above and sent again (_send_elsewhere) armed the
+        # timer for its own, a timeout later; the reads sent before it waited for that one too
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_at(reads[0].deadline, self._expire) if reads else None
 
     def _time_out(self, read: _Read) -> None:
         from cassandra import OperationTimedOut
