@@ -68,6 +68,7 @@ class _Req:
     count: int = 0  # positions it fills
     blind: bool = False  # sent before any sample's size was seen: reserved at the hint (``_top_up``)
     timed_out: bool = False  # cancelled by the deadline sweep (Retry.timeout), not by a hedge
+    sent_delivered: int = 0  # ``Link.delivered`` when it was sent (its delivery-rate sample)
 
     def all_positions(self) -> Iterable[int]:
         """Every position this request fills."""
@@ -473,6 +474,7 @@ class Run(Recovery):
         ep.reserved += reserved
         self.c.peak_bytes = max(self.c.peak_bytes, self._reserved + self.ready_bytes + self.taken_bytes)
         self.link.sending(now)
+        req.sent_delivered = self.link.delivered
         self._deadlines.append((now + self.retry.timeout, req))
         req.task = asyncio.ensure_future(self._fetch(req))
         req.task.add_done_callback(lambda _, req=req: self._task_done(req))

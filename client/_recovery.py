@@ -104,7 +104,7 @@ class Recovery:
         elif exc is None and not missing:
             lat = now - req.start
             full = not req.hedge and req.count >= req.size
-            self.link.rate_sample(now)
+            self.link.rate_sample(now, req.start, req.sent_delivered)
             self.link.answered(lat, full, req.size, len(req.answered), req.sent_with, first=req.first - req.start)
             c = self.c
             c.request_latency = lat if c.request_latency is None else c.request_latency * 0.875 + lat * 0.125

@@ -46,7 +46,7 @@ class Link:
 
     Tuned (``Prefetch.tune``), the window follows the link, as BBR sizes a TCP
     window: every answered request gives a delivery-rate sample (bytes
-    answered over the last round trip); ``bandwidth`` is the highest over the
+    answered over its lifetime, at least a round trip); ``bandwidth`` is the highest over the
     last ten round trips, ``min_latency`` the lowest latency of a full-size
     request over the last 10 s, and the window may reach ``GAIN`` x
     their product (the bandwidth-delay product) in requests of
@@ -230,12 +230,18 @@ class Link:
         if not self._marks:
             self._marks.append((now, self.delivered))
 
-    def rate_sample(self, now: float) -> None:
-        """A request was answered at ``now``: sample the delivery rate over the last round trip.
+    def rate_sample(self, now: float, sent: float | None = None, sent_delivered: int = 0) -> None:
+        """A request sent at ``sent`` (when ``delivered`` was ``sent_delivered``) was answered at
+        ``now``: sample the delivery rate.
 
         The bytes answered over at least a round trip (and ``RATE_MIN_S``), not per request as BBR
         does per packet: answers come in bursts (a loop not scheduled for a few ms handles many at
-        once), and a burst over one request's latency would read as a rate the link never had."""
+        once), and a burst over one request's latency would read as a rate the link never had. As
+        BBR takes the longer of a packet's send and ack intervals, the span is the request's own
+        lifetime when that is longer: where requests queue (latency above the round trip), the
+        answers of a whole window come in less than their latency, and a round trip's worth of
+        them read as latency / round trip times the rate (twice it at 100 ms through the latency
+        proxy on 2 busy cores: bench/results/tune.md, run 7), a target the window never reached."""
         if not self.tuned:
             return
         marks = self._marks
@@ -246,6 +252,8 @@ class Link:
         then, delivered = marks[0]
         if now - then < span:
             return
+        if sent is not None and sent < then:
+            then, delivered = sent, sent_delivered
         rate = (self.delivered - delivered) / (now - then)
         rates = self._rates
         span = max(self.RATE_SPAN_S, self.RATE_ROUNDS * (self.min_latency or 0.0))

@@ -7,6 +7,7 @@ the assertions are about sizes, counts and exact-once delivery, never about time
 from __future__ import annotations
 
 import asyncio
+import bisect
 import gc
 import time
 from collections import Counter
@@ -167,6 +168,33 @@ def test_when_requests_shrink_for_a_slow_link_the_start_up_queue_is_not_kept():
     assert link.window <= max(Link.MIN_START, Link.GAIN * bw * alone / (8 * size)), link.window
     assert abs(link.min_latency - alone) < 0.01, (link.min_latency, alone)
     assert link.target() <= Link.STARTUP_GAIN * bw * alone / (8 * size)  # the pipe is not yet full
+
+
+def test_a_clump_of_answers_is_not_read_as_bandwidth_the_link_never_had():
+    # Requests take 200 ms over a 100 ms round trip (half of it a queue: the latency proxy on 2 busy
+    # cores), 20 in flight, 1 MB each: 100 MB/s. Their answers come irregularly, a trickle of 4
+    # then a clump of 16. Over a round trip's span, the clump read as 1.4 x the rate (twice it
+    # through the proxy: bench/results/tune.md, run 7), and the window's target (2 x bandwidth x
+    # round trip) then followed the window up. A sample spans its request's own lifetime (as BBR
+    # takes the longer of a packet's send and ack intervals): the rate of the whole window
+    link = Link(Prefetch(), Hedge(enabled=False))
+    link.start(256, 32)
+    link.min_latency = 0.1
+    size, latency = 1_000_000, 0.2
+    answers = []
+    for k in range(50):
+        t0 = 1.0 + k * latency
+        answers += [t0 + 0.025 * i for i in range(4)] + [t0 + 0.19] * 16
+    times, totals = [0.0], [0]  # delivered over time: what a request saw when it was sent
+    link.sending(0.8)
+    for at in answers:
+        sent = at - latency
+        link.delivered += size
+        link.rate_sample(at, sent, totals[bisect.bisect_right(times, sent) - 1])
+        times.append(at)
+        totals.append(link.delivered)
+    rate = 20 * size / latency
+    assert link.bandwidth < 1.2 * rate, link.bandwidth / rate
 
 
 class Tail(MemorySource):
