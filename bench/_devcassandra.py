@@ -184,24 +184,29 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
-def _end(proc: subprocess.Popen) -> None:
-    """SIGCONT (a frozen JVM ignores SIGTERM), SIGTERM, then SIGKILL the process group of ``proc``."""
-    if proc.poll() is not None:
-        return
-    _signal_group(proc.pid, signal.SIGCONT)
+def _end(*procs: subprocess.Popen) -> None:
+    """SIGCONT (a frozen JVM ignores SIGTERM), SIGTERM, then SIGKILL the process groups of
+    ``procs``, all at once: each JVM drains for seconds, and one after another a 3-node
+    cluster's stop took 20 s of the test suite."""
+    live = [p for p in procs if p is not None and p.poll() is None]
+    for p in live:
+        _signal_group(p.pid, signal.SIGCONT)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        _signal_group(proc.pid, sig)
-        try:
-            proc.wait(10.0)
+        for p in live:
+            _signal_group(p.pid, sig)
+        deadline = time.monotonic() + 10.0
+        for p in live:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        live = [p for p in live if p.poll() is None]
+        if not live:
             return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _cleanup(procs: list, workdir: Path | None) -> None:
-    for proc in procs:
-        if proc is not None:
-            _end(proc)
+    _end(*procs)
     if workdir is not None:
         shutil.rmtree(workdir, ignore_errors=True)
 
