@@ -230,7 +230,7 @@ class Link:
         if not self._marks:
             self._marks.append((now, self.delivered))
 
-    def rate_sample(self, now: float, sent: float | None = None, sent_delivered: int = 0) -> None:
+    def rate_sample(self, now: float, sent: float, sent_delivered: int) -> None:
         """A request sent at ``sent`` (when ``delivered`` was ``sent_delivered``) was answered at
         ``now``: sample the delivery rate.
 
@@ -239,9 +239,10 @@ class Link:
         once), and a burst over one request's latency would read as a rate the link never had. As
         BBR takes the longer of a packet's send and ack intervals, the span is the request's own
         lifetime when that is longer: where requests queue (latency above the round trip), the
-        answers of a whole window come in less than their latency, and a round trip's worth of
-        them read as latency / round trip times the rate (twice it at 100 ms through the latency
-        proxy on 2 busy cores: bench/results/tune.md, run 7), a target the window never reached."""
+        answers of a whole window come in less than their latency, and a round trip's span of
+        them reads up to latency / round trip times the rate (twice it at 100 ms through the
+        latency proxy on 2 busy cores: bench/results/tune.md, run 6), and the window's target
+        follows the window up."""
         if not self.tuned:
             return
         marks = self._marks
@@ -252,7 +253,7 @@ class Link:
         then, delivered = marks[0]
         if now - then < span:
             return
-        if sent is not None and sent < then:
+        if sent < then:
             then, delivered = sent, sent_delivered
         rate = (self.delivered - delivered) / (now - then)
         rates = self._rates

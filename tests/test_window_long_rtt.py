@@ -174,7 +174,7 @@ def test_a_clump_of_answers_is_not_read_as_bandwidth_the_link_never_had():
     # Requests take 200 ms over a 100 ms round trip (half of it a queue: the latency proxy on 2 busy
     # cores), 20 in flight, 1 MB each: 100 MB/s. Their answers come irregularly, a trickle of 4
     # then a clump of 16. Over a round trip's span, the clump read as 1.4 x the rate (twice it
-    # through the proxy: bench/results/tune.md, run 7), and the window's target (2 x bandwidth x
+    # through the proxy: bench/results/tune.md, run 6), and the window's target (2 x bandwidth x
     # round trip) then followed the window up. A sample spans its request's own lifetime (as BBR
     # takes the longer of a packet's send and ack intervals): the rate of the whole window
     link = Link(Prefetch(), Hedge(enabled=False))

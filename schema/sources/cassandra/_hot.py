@@ -163,7 +163,7 @@ TRIES = 3
 _PROBE = "SELECT release_version FROM system.local"
 
 
-def _ignore(_exc, *_args) -> None:
+def _ignore(_exc) -> None:
     """A probe that failed or timed out: the host stays stalled until the next one."""
 
 
