@@ -3,7 +3,7 @@
     python -m dataferry.bench.client_cpu [--images 1024] [--epochs 3] [--repeats 5]
                                          [--rtts 0] [--batch-size 256] [--data synthetic|random]
                                          [--pin] [--floor] [--no-memory] [--fetch-sizes 4,8,32,128]
-                                         [--loader-sizes 32,128]
+                                         [--loader-sizes 32,128] [--perf]
 
 Method details: bench/README.md, "Methods".
 """
@@ -13,14 +13,17 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shutil
 import socket
 import statistics
+import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 
 from ._common import data_server, table
 
-__all__ = ["main", "Run", "measure", "recv_floor"]
+__all__ = ["main", "Run", "measure", "recv_floor", "perf_shares"]
 
 SAMPLE_BYTES = 110_000
 #: samples the floor receives at least (2.2 GB: enough CPU ticks for a steady user/system split)
@@ -58,11 +61,12 @@ def _usage() -> tuple[float, float]:
     return r.ru_utime, r.ru_stime
 
 
-def measure(source, dataset: str, epochs: int, batch_size: int, warmup: int = 1, request_size: int | None = None
-            ) -> Run:
+def measure(source, dataset: str, epochs: int, batch_size: int, warmup: int = 1, request_size: int | None = None,
+            profile: dict[str, float] | None = None) -> Run:
     """One Loader over ``source``: ``warmup`` epochs, then ``epochs`` measured
     (from the first batch after the warm-up to the last); ``request_size``
-    fixes the ids per request (None: the tuner's)."""
+    fixes the ids per request (None: the tuner's). ``profile``: ``perf record``
+    this process over the same span, and put each symbol's share of its CPU there."""
     from dataferry.client import Loader, Prefetch
 
     with Loader(source, dataset, batch_size=batch_size, prefetch=Prefetch(request_size=request_size)) as loader:
@@ -74,13 +78,68 @@ def measure(source, dataset: str, epochs: int, batch_size: int, warmup: int = 1,
                 if epoch < warmup:
                     continue
                 if t0 is None:
+                    perf = None if profile is None else _Perf()
                     (u0, s0), t0 = _usage(), time.perf_counter()
                     r0 = loader.stats().requests
                     continue
                 samples += len(batch)
         (u1, s1), wall = _usage(), time.perf_counter() - t0
         requests = loader.stats().requests - r0
+    if profile is not None and perf is not None:
+        profile.update(perf.stop())
     return Run(samples, (u1 - u0) + (s1 - s0), wall, u1 - u0, s1 - s0, requests)
+
+
+class _Perf:
+    """``perf record`` of this process (every thread) from now to :meth:`stop`: each symbol's
+    share of the samples (``"dso symbol"``: fraction)."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="dataferry-perf-")
+        self._out = os.path.join(self._dir.name, "perf.data")
+        self._proc = subprocess.Popen(["perf", "record", "-q", "-F", "999", "-p", str(os.getpid()), "-o", self._out],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.3)  # attached (samples before it are lost, not wrong)
+
+    def stop(self) -> dict[str, float]:
+        import signal
+
+        self._proc.send_signal(signal.SIGINT)
+        self._proc.wait(30)
+        report = subprocess.run(["perf", "report", "-i", self._out, "--no-children", "--sort", "dso,sym", "--stdio",
+                                 "-q"], capture_output=True, text=True, timeout=120).stdout
+        self._dir.cleanup()
+        return perf_shares(report)
+
+
+def perf_shares(report: str) -> dict[str, float]:
+    """``perf report --no-children --sort dso,sym --stdio -q``'s lines as ``{"library symbol": share}``."""
+    shares: dict[str, float] = {}
+    for line in report.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[0].endswith("%") and parts[-2] in ("[k]", "[.]"):
+            dso = parts[1].removesuffix(".so.1.0").split(".cpython")[0].strip("[]")
+            key = f"{dso} {parts[-1]}"
+            shares[key] = shares.get(key, 0.0) + float(parts[0][:-1]) / 100
+    return shares
+
+
+def _print_profile(profiles: list[dict[str, float]], runs: list[Run], top: int = 12) -> None:
+    """The symbols' median share of each run's CPU, as us per sample; and by library."""
+    us = statistics.median(r.us_per_sample for r in runs)
+    keys = {k for p in profiles for k in p}
+    if not keys:
+        print("  perf recorded nothing (is it allowed here? /proc/sys/kernel/perf_event_paranoid)", flush=True)
+        return
+    med = {k: statistics.median(p.get(k, 0.0) for p in profiles) for k in keys}
+    by_dso: dict[str, float] = {}
+    for k, v in med.items():
+        by_dso[k.split(" ")[0]] = by_dso.get(k.split(" ")[0], 0.0) + v
+    print(f"  perf: median share of {len(profiles)} runs' samples, as us of the median {us:.1f} us/sample")
+    for k, v in sorted(med.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"    {v * us:5.1f} us  {v * 100:4.1f}%  {k}")
+    print("    by library: " + ", ".join(f"{d} {v * us:.1f}" for d, v in sorted(by_dso.items(), key=lambda kv: -kv[1])
+                                        if v >= 0.01), flush=True)
 
 
 def recv_floor(samples: int, *, sender_cpus: set[int] | None = None, chunk: int = 4 << 20, ring: int = 32) -> Run:
@@ -208,7 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fetch-sizes", default="",
                    help="comma-separated request sizes: also HttpSource.fetch alone (no engine) at each, and the "
                         "CPU per request and per sample fitted to them")
+    p.add_argument("--perf", action="store_true",
+                   help="profile each HTTP run with `perf record` and print where its CPU went, by symbol")
     args = p.parse_args(argv)
+    if args.perf and shutil.which("perf") is None:
+        p.error("--perf needs the perf tool (linux-perf / linux-tools)")
     rtts = [float(x) for x in args.rtts.split(",") if x.strip()]
 
     from ._links import Condition, ProxyLink
@@ -239,12 +302,16 @@ def main(argv: list[str] | None = None) -> int:
             with ProxyLink().emulate(Condition(rtt_ms=rtt)) as route:
                 host, port = route(server) if rtt > 0 else server
                 url = f"http://{host}:{port}"
-                runs = [measure(url, DATASET, args.epochs, args.batch_size) for _ in range(args.repeats)]
+                profiles: list[dict[str, float]] = [{} for _ in range(args.repeats)] if args.perf else []
+                runs = [measure(url, DATASET, args.epochs, args.batch_size, profile=profiles[k] if args.perf else None)
+                        for k in range(args.repeats)]
             row = _row(f"HTTP, {'direct' if rtt == 0 else 'latency proxy'}", f"{rtt:g}", runs)
             each = " ".join(f"{r.us_per_sample:.1f}" for r in runs)
             print(f"http rtt {rtt:g} ms: {row[2]} us/sample (runs: {each}), user {row[3]}, sys {row[4]}, "
                   f"{row[5]} samples/s, {_ids_per_request(runs)} ids a request (tuned)", flush=True)
             rows.append(row)
+            if args.perf:
+                _print_profile(profiles, runs)
         for n in [int(x) for x in args.loader_sizes.split(",") if x.strip()]:
             runs = [measure(f"http://{server[0]}:{server[1]}", DATASET, args.epochs, args.batch_size, request_size=n)
                     for _ in range(args.repeats)]

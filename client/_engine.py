@@ -530,8 +530,9 @@ class Run(Recovery):
                     self._fail(ep, p, result)
             return
         # End-to-end integrity, one place for every source: the checksum the store keeps with the
-        # sample against the bytes as they arrived here (2-5 us per 110 KB). Not retried: a re-read
-        # gets the same stored bytes (README, "Integrity").
+        # sample against the bytes as they arrived here (HttpSource's decoder checked a sample on
+        # arrival and passed it on without its sum if it matched). Not retried: a re-read gets the
+        # same stored bytes (README, "Integrity").
         checksum = result.checksum
         if checksum is not None and self._verify and sample_checksum(data) != checksum:
             bad = CorruptSample(self.dataset, sid, self._store)

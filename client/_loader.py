@@ -23,12 +23,13 @@ import math
 import queue
 import time
 import weakref
-from typing import TYPE_CHECKING, Literal
+from dataclasses import replace
+from typing import Literal
 
 from dataferry.schema import (
     ALL_SPLIT, ConfigError, DataferryError, IdList, LoopThread, SampleSource, content_hash,
 )
-from dataferry.schema.sources import source_factory
+from dataferry.schema.sources import HttpOptions, source_factory
 
 from ._engine import Run
 from ._retry import describe_source, retrying
@@ -40,9 +41,6 @@ from ._doneset import DoneSet
 from ._elastic import DealtPlan, dealt_of, gather, merge_states, resume_plan
 from ._attribution import Attributor, Interval
 from ._stats import MAX_IDS, Counters, EngineCpu, Stats, Taken, snapshot
-
-if TYPE_CHECKING:
-    from dataferry.schema.sources import HttpOptions
 
 __all__ = ["Loader", "LoaderEpoch"]
 
@@ -152,6 +150,8 @@ class Loader:
             raise ConfigError(f"batch_size must be >= 1, not {batch_size}")
         if log_interval is not None and log_interval <= 0:
             raise ConfigError(f"log_interval must be > 0 seconds, not {log_interval}")
+        if not errors.verify and isinstance(source, str) and source.startswith(("http://", "https://")):
+            http = replace(http or HttpOptions(), checksums=False)  # not asked for, so not checked on arrival
         service = dict(token=token, token_file=token_file, ca_file=ca_file, http=http)
         if isinstance(source, str) or any(v is not None for v in service.values()):
             source = source_factory(source, create=False, **service)  # the one URL dispatcher

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 
@@ -405,6 +406,34 @@ def test_client_cpu_bench_smoke(tmp_path):
     assert "client CPU us/sample" in out.stdout and "HTTP, direct" in out.stdout
     assert "HttpSource.fetch alone, 8 ids a request" in out.stdout and "us per request +" in out.stdout
     assert "Loader at 8 ids a request" in out.stdout and "ids a request (tuned)" in out.stdout
+
+
+def test_the_perf_profile_is_read_by_library_and_symbol():
+    from dataferry.bench.client_cpu import perf_shares
+
+    report = """
+    26.32%  [kernel.kallsyms]                                  [k] _copy_to_iter
+    17.07%  _xxhash.cpython-311-x86_64-linux-gnu.so            [.] XXH3_hashLong_64b_withSeed.constprop.0
+    13.56%  libpython3.11.so.1.0                               [.] _PyEval_EvalFrameDefault
+     0.20%  libpython3.11.so.1.0                               [.] 0x00000000001f2a3c
+"""
+    assert perf_shares(report) == {"kernel.kallsyms _copy_to_iter": 0.2632,
+                                   "_xxhash XXH3_hashLong_64b_withSeed.constprop.0": 0.1707,
+                                   "libpython3.11 _PyEval_EvalFrameDefault": 0.1356,
+                                   "libpython3.11 0x00000000001f2a3c": 0.002}
+
+
+@pytest.mark.skipif(shutil.which("perf") is None, reason="no perf on this machine")
+def test_client_cpu_bench_profiles_with_perf(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "dataferry.bench.client_cpu", "--data", "random", "--images", "256", "--epochs", "4",
+         "--repeats", "1", "--no-memory", "--perf"],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    if "perf recorded nothing" in out.stdout:
+        pytest.skip("perf recorded nothing here (perf_event_paranoid)")
+    assert "by library: " in out.stdout and "us/sample" in out.stdout
 
 
 def test_the_per_request_fit_recovers_a_known_split():

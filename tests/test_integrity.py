@@ -110,6 +110,51 @@ def test_the_wire_carries_the_stored_checksum_only_when_asked():
     assert encode_sample(old, True) == encode_sample(old, False)
 
 
+def test_the_decoder_checks_a_record_on_arrival_and_passes_a_mismatch_on_with_its_checksum():
+    from dataferry.schema._wire import FrameDecoder, encode_end, encode_sample
+
+    good = Sample(7, 1, bytes(range(256)) * 40, None, checksum=sample_checksum(bytes(range(256)) * 40))
+    bad_data = flip_middle(b"xyz" * 900)
+    bad = Sample(8, 0, bad_data, None, checksum=sample_checksum(b"xyz" * 900))  # the bytes changed after the sum
+    wire = b"".join([*encode_sample(good, True), *encode_sample(bad, True), encode_end(2)])
+    for verify in (True, False):
+        dec = FrameDecoder("d", verify=verify)
+        for i in range(0, len(wire), 1000):  # in pieces, so records end in a later read than they start
+            dec.feed(wire[i : i + 1000])
+        got = {r.id: r for r in dec.take() if isinstance(r, Sample)}
+        assert bytes(got[7].data) == good.data and bytes(got[8].data) == bad_data
+        # checked here: the good one has nothing left to check; the bad one keeps its sum for the engine
+        assert (got[7].checksum, got[8].checksum) == ((None if verify else good.checksum), bad.checksum)
+
+
+def test_verify_off_over_http_asks_for_no_checksums_and_hashes_nothing(sqlite_store, monkeypatch):
+    import dataferry.client._engine as engine
+    import dataferry.schema._wire as wire
+
+    url, path, samples = sqlite_store
+    bad = samples[4].id
+    corrupt_sqlite(path, DS, bad)
+    calls = {"on arrival": [], "engine": []}
+
+    def counted(where):
+        def checksum(data):
+            calls[where].append(len(data))
+            return sample_checksum(data)
+        return checksum
+
+    monkeypatch.setattr(wire, "sample_checksum", counted("on arrival"))
+    monkeypatch.setattr(engine, "sample_checksum", counted("engine"))
+    with live_server(lambda: make_app(url)) as live:
+        ids, loader = read_all(live.base, errors=ErrorPolicy(verify=False))
+        assert sorted(ids) == sorted(s.id for s in samples)  # delivered as stored
+        assert calls == {"on arrival": [], "engine": []}  # and nothing hashed
+        ids, loader = read_all(live.base, errors=ErrorPolicy(on_error="skip", max_skipped=1))
+    # verify on: every sample hashed on arrival (a hedge's duplicate too), and only the corrupt
+    # one again (each copy that came), by the engine, which reports it
+    assert len(calls["on arrival"]) >= N and calls["engine"] and set(calls["engine"]) == {len(samples[4].data)}
+    assert loader.stats().corrupt_ids == (bad,) and bad not in ids
+
+
 def _drop_checksums(path) -> None:
     """The file as a release before checksums made it: no xxh3 column."""
     with sqlite3.connect(path) as con:

@@ -50,6 +50,11 @@ class HttpOptions:
     #: service slower than this to its first answers: raise it); 1.5 s keeps a
     #: dead connection's stall under 2 s
     first_byte_timeout: float = 1.5
+    #: ask the service for each sample's stored checksum and check the bytes against it as
+    #: they arrive (in the cache, after the socket's copy); a mismatch is ``CorruptSample``.
+    #: Off: records come without checksums and nothing is checked (a Loader opening a URL
+    #: with ``ErrorPolicy(verify=False)`` turns it off)
+    checksums: bool = True
     #: PEM bundle to verify the server's certificate with (default: system CAs)
     ca_file: str | None = None
     #: verify the server's certificate and host name (off only for testing)

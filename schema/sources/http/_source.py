@@ -233,11 +233,13 @@ class HttpSource:
             made = self._fetch_heads.get(dataset)
             if made is None:  # the request's head, but for its length, made once per dataset (and token)
                 path = self._path(dataset, "samples")
-                made = self._fetch_heads[dataset] = (path, self._head("POST", path, IDS_TYPE, accept=ACCEPT_SUMS))
+                accept = ACCEPT_SUMS if self.options.checksums else None
+                made = self._fetch_heads[dataset] = (path, self._head("POST", path, IDS_TYPE, accept=accept))
             path, head = made
             request = b"%s%d\r\n\r\n%s" % (head, len(body), body)
             decoder = FrameDecoder(dataset, max_record=self.options.max_record_bytes, arena=self._buffers.take,
-                                   give_back=self._buffers.give_back, expect=len(ids), mean=self._mean_record)
+                                   give_back=self._buffers.give_back, expect=len(ids), mean=self._mean_record,
+                                   verify=self.options.checksums)
             sent = time.monotonic()
             try:
                 async with self._open_pool().exchange(request, FRAMES_TYPE, decoder,
