@@ -233,7 +233,8 @@ class Run(Recovery):
         self.link.start(batch_size, getattr(source, "preferred_request_size", None),
                         getattr(source, "max_concurrency", None), hedge.max_fraction if hedge.enabled else 0.0,
                         wan_request_bytes=getattr(source, "max_request_bytes", Link.WAN_REQUEST_BYTES),
-                        link_rtt=(lambda: getattr(source, "link_rtt", None)) if hasattr(source, "link_rtt") else None)
+                        link_rtt=(lambda: getattr(source, "link_rtt", None)) if hasattr(source, "link_rtt") else None,
+                        server_work=(lambda: source.server_work) if hasattr(source, "server_work") else None)
         self._seq = itertools.count()
         self._active: set[_Req] = set()
         self._finished: list[_Req] = []  # requests whose task ended, not yet handled

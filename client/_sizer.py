@@ -18,12 +18,15 @@ class _RequestSizer:
     delivered per second of wall time, at the least CPU.
 
     A request has a fixed cost ``o`` (a task, a POST and its headers, a response to open; the
-    server's work per request, which this process does not see) and a cost per sample ``c``. It
-    starts small, so the first batch is spread over several requests in flight; once the pipe is
-    full, the samples answered per wall second and this process's CPU per sample (every thread:
-    the engine's, the consumer's, decoding) are measured at that size ``n`` and at ``2n``. ``2n``
-    is kept unless it delivered ``SAVING`` fewer samples a second and cost no ``SAVING`` less CPU
-    (a larger request never costs the server more, so a tie goes to it); where ``2n`` saved CPU,
+    server's work per request) and a cost per sample ``c``. It starts small, so the first batch
+    is spread over several requests in flight; once the pipe is full, the samples answered per
+    wall second and the CPU per sample are measured at that size ``n`` and at ``2n``: this
+    process's (every thread: the engine's, the consumer's, decoding) and, where the source tells
+    it (``server``: ``HttpSource.server_work``, from the service's ``Dataferry-Work`` header), the
+    server's per sample it answered meanwhile. ``2n`` is kept unless it delivered ``SAVING``
+    fewer samples a second and cost no ``SAVING`` less CPU (a tie goes to the larger request,
+    which never costs the server more); where it delivered ``SAVING`` more at no ``SAVING`` less
+    CPU, ``4n`` is measured against it the same way, and so on; where ``2n`` saved CPU,
     the size is the smallest power-of-two multiple of ``n`` past which a doubling would save less
     than ``SAVING`` (``c + o/n`` against ``c + o/2n``), within ``Link._size_cap``. Decided once
     per loader (a slow link may still cut it: ``Link._fit_size``).
@@ -45,19 +48,23 @@ class _RequestSizer:
     WINDOW_SHARE = 0.5
 
     def __init__(self, size: int, cap: Callable[[], int], wide: Callable[[], int],
-                 rtt: Callable[[], float | None]) -> None:
+                 rtt: Callable[[], float | None], server: Callable[[], tuple[float, int]] | None = None) -> None:
         self.size = size
+        #: the server's CPU seconds and samples answered so far, as it tells them (None: it does not)
+        self._server = server
         self._cap = cap  # the most ids per request now (Link._size_cap), asked when deciding
         self._wide, self._rtt = wide, rtt  # the most without the long-link limit; the link's round trip
         self._target = 0  # checking sizes one doubling at a time up to this (0: not checking)
         self._spread = float("inf")  # the least first-to-last spread of an answer at this size
         self.done = False
         self.settle = 32  # answers to let pass first (the start, or the old size's after a change)
-        self._parts: list[tuple[float, float]] = []  # (CPU s per sample, samples per s)
+        #: (this process's CPU s per sample, samples per s, the server's CPU s per sample or None)
+        self._parts: list[tuple[float, float, float | None]] = []
         self._samples = self._requests = 0
         self._cpu0: float | None = None
         self._t0 = 0.0
-        self._before: tuple[float, float] | None = None  # (CPU per sample, rate) at the first size
+        self._server0: tuple[float, int] | None = None
+        self._before: tuple[float, float | None, float] | None = None  # (CPU here, at the server, rate) at n/2
 
     def answered(self, size: int, samples: int, window: float,
                  spread: float | None = None) -> tuple[int, str] | None:
@@ -75,6 +82,7 @@ class _RequestSizer:
             return self._check() if whole else None
         if self._cpu0 is None:
             self._cpu0, self._t0 = time.process_time(), time.monotonic()
+            self._server0 = self._server() if self._server is not None else None
             return None
         self._samples += samples
         self._requests += 1
@@ -84,39 +92,53 @@ class _RequestSizer:
         if t - self._t0 < self.SECONDS:
             return None
         now = time.process_time()
-        self._parts.append(((now - self._cpu0) / self._samples, self._samples / (t - self._t0)))
-        self._cpu0, self._t0, self._samples, self._requests = now, t, 0, 0
+        server, server0 = (self._server() if self._server is not None else None), self._server0
+        at_server = None  # the server's CPU per sample it answered over the part, where it tells it
+        if server is not None and server0 is not None and server[1] > server0[1]:
+            at_server = (server[0] - server0[0]) / (server[1] - server0[1])
+        self._parts.append(((now - self._cpu0) / self._samples, self._samples / (t - self._t0), at_server))
+        self._cpu0, self._t0, self._samples, self._requests, self._server0 = now, t, 0, 0, server
         if len(self._parts) < self.PARTS:
             return None
-        b = min(c for c, _ in self._parts)
-        rb = max(r for _, r in self._parts)
+        here = min(c for c, _, _ in self._parts)
+        rb = max(r for _, r, _ in self._parts)
+        told = [s for _, _, s in self._parts if s is not None]
+        there = min(told) if len(told) == len(self._parts) else None
         self._parts, self._cpu0 = [], None
         n = self.size
         upper = max(n, self._cap())
         wide = max(upper, self._wide())
         if self._before is None:  # measured at the first size: now at twice that
-            self._before = (b, rb)
+            self._before = (here, there, rb)
+            cost = _cost(here, there)
             if n * 2 > wide:
                 self.done = True
-                return n, (f"{n} ids per request: {rb:,.0f} samples/s at {b * 1e6:.1f} us of CPU per sample; "
-                           "the byte budget allows no more")
+                return n, f"{n} ids per request: {rb:,.0f} samples/s at {cost}; the byte budget allows no more"
             beyond = "" if n * 2 <= upper else " (past the long round trip's limit: kept if it comes within one)"
-            return self._resize(n * 2, window, f"{n} ids per request: {rb:,.0f} samples/s at {b * 1e6:.1f} us "
-                                               f"of CPU per sample; trying {n * 2}{beyond}")
+            return self._resize(n * 2, window, f"{n} ids per request: {rb:,.0f} samples/s at {cost}; "
+                                               f"trying {n * 2}{beyond}")
         self.done = True
-        (a, ra), small = self._before, n // 2  # at n/2 and at n
+        (a_here, a_there, ra), small = self._before, n // 2  # at n/2 and at n
+        a, b, both = a_here, here, False
+        if a_there is not None and there is not None:  # the server's share counts where both were told
+            a, b, both = a + a_there, b + there, True
         if n > upper:  # past the long-link limit: kept only if its answers came within a round trip
             if not self._holds():
                 self.size = small
                 return small, self._spread_out(n, small)
             upper = n
-        seen = (f"{small} ids per request: {ra:,.0f} samples/s at {a * 1e6:.1f} us of CPU per sample; "
-                f"{n}: {rb:,.0f} at {b * 1e6:.1f}")
+        seen = (f"{small} ids per request: {ra:,.0f} samples/s at {_cost(a_here, a_there if both else None)}; "
+                f"{n}: {rb:,.0f} at {_cost(here, there if both else None)}")
         if rb < (1 - self.SAVING) * ra and b > (1 - self.SAVING) * a:
             self.size = small
             return small, f"{seen}: slower and no cheaper; back to {small}"
-        if a - b <= self.SAVING * a:
-            return n, f"{seen}: as fast or faster, and fewer requests for the server; {n} ids"
+        if a - b <= self.SAVING * a:  # no cheaper
+            if rb > (1 + self.SAVING) * ra and n * 2 <= wide:  # but faster: the objective says go on
+                self.done, self._before = False, (here, there, rb)
+                beyond = "" if n * 2 <= upper else " (past the long round trip's limit: kept if it comes within one)"
+                return self._resize(n * 2, window, f"{seen}: faster at no less CPU; trying {n * 2}{beyond}")
+            fewer = "" if both else ", and fewer requests for the server"
+            return n, f"{seen}: as fast or faster{fewer}; {n} ids"
         # a = c + o / small, b = c + o / n: the per-request overhead o and the per-sample cost c
         overhead = (a - b) * n
         cost = max(b - (a - b), 1e-9)
@@ -172,3 +194,10 @@ class _RequestSizer:
         over = "an unknown round trip" if rtt is None else f"a {rtt * 1e3:.0f} ms round trip"
         return (f"the answers of {n} ids spread {spread} from first to last sample over {over}: more than "
                 f"one TCP window a request; back to {small}")
+
+
+def _cost(here: float, there: float | None) -> str:
+    """CPU per sample as the log says it: this process's, and the server's where it told it."""
+    if there is None:
+        return f"{here * 1e6:.1f} us of CPU per sample"
+    return f"{(here + there) * 1e6:.1f} us of CPU per sample ({here * 1e6:.1f} here, {there * 1e6:.1f} at the server)"

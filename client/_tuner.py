@@ -149,13 +149,16 @@ class Link:
 
     def start(self, batch_size: int, preferred: int | None, concurrency: int | None = None,
               hedge_share: float = 0.0, *, wan_request_bytes: int | None = WAN_REQUEST_BYTES,
-              link_rtt: Callable[[], float | None] | None = None) -> None:
+              link_rtt: Callable[[], float | None] | None = None,
+              server_work: Callable[[], tuple[float, int]] | None = None) -> None:
         """The first run: choose the request size and the first window. ``concurrency``: the
         requests the source carries at once (``max_concurrency``, e.g. an HTTP pool's connections);
         ``wan_request_bytes``: the most one request carries over a long round trip (the source's
         ``max_request_bytes``; None: no limit of its own, as ``MemorySource``); ``link_rtt``: the
         link's own round trip as the source measures it (a request's time less the server's, from
-        the service's Server-Timing header; ``HttpSource.link_rtt``), None where it cannot."""
+        the service's Server-Timing header; ``HttpSource.link_rtt``), None where it cannot;
+        ``server_work``: the server's CPU seconds and samples answered so far, for the request
+        sizer (``HttpSource.server_work``), None where the source does not tell them."""
         if self.started:
             return
         self.started, p = True, self.prefetch
@@ -171,7 +174,7 @@ class Link:
             # small first: the first batch spread over about eight requests in flight together
             self.request_size = max(4, min(preferred, -(-batch_size // 8)))
             self.sizer = _RequestSizer(self.request_size, self._size_cap, lambda: self._size_cap(False),
-                                       self.link_round_trip)
+                                       self.link_round_trip, server_work)
         if p.initial_inflight is not None:
             self.window = float(p.initial_inflight)
         elif self.tuned:

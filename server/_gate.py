@@ -4,13 +4,16 @@ Every catalog call is bounded by ``ServerOptions.store_timeout`` (a timeout
 becomes :class:`StoreTimeout` naming the operation), timed into the
 store-latency histogram, and its failures counted and logged. It also
 remembers, for ``catalog_ttl`` seconds, which datasets exist, so a batch fetch
-for a known dataset costs no extra catalog read.
+for a known dataset costs no extra catalog read. :class:`Work` counts what this
+worker process has spent and answered, for the ``Dataferry-Work`` header.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -20,16 +23,35 @@ from dataferry.schema import Store, StoreError, StoreTimeout, redact_url
 from ._metrics import Metrics
 from ._options import ServerOptions
 
-__all__ = ["StoreGate"]
+__all__ = ["StoreGate", "Work"]
 
 log = logging.getLogger("dataferry.server")
 
 T = TypeVar("T")
 
 
+class Work:
+    """This worker process's CPU (every thread) and the samples it answered, since it began, as
+    the ``Dataferry-Work`` response header tells them: ``worker=NAME; cpu_us=N; samples=N``.
+    A client takes the differences between two answers of one worker (``NAME``: random, made
+    in the process, so a forked worker has its own) as the server's CPU per sample."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self._pid = -1
+        self._name = ""
+        self._cpu0 = 0.0
+
+    def header(self) -> str:
+        if os.getpid() != self._pid:  # made before a fork: this process counts from now
+            self._pid, self._name, self._cpu0, self.samples = os.getpid(), secrets.token_hex(4), time.process_time(), 0
+        return f"worker={self._name}; cpu_us={int((time.process_time() - self._cpu0) * 1e6)}; samples={self.samples}"
+
+
 class StoreGate:
     def __init__(self, store: Store, options: ServerOptions, metrics: Metrics) -> None:
         self.store = store
+        self.work = Work()
         self.options = options
         self.metrics = metrics
         self.where = redact_url(getattr(store, "url", repr(store)))

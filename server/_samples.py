@@ -191,6 +191,7 @@ async def _produce(gate: StoreGate, dataset: str, ids: np.ndarray, outbox: Outbo
         log.exception("store %s: fetch from dataset %r failed", gate.where, dataset)
         outbox.close(exc)
     finally:
+        gate.work.samples += found + missing
         if found:
             metrics.samples.inc(found)
         if missing:
@@ -222,9 +223,11 @@ async def stream_samples(request: web.Request, gate: StoreGate, dataset: str, id
         while (parts := await outbox.take(options.write_chunk)) is not None:
             if writer is None:
                 # Server-Timing: ms from the request to its first records, so a client tells the
-                # server's time from the link's (server/README.md)
+                # server's time from the link's; Dataferry-Work: this worker's CPU and samples so
+                # far, so a client's request sizer counts the server's cost too (server/README.md)
                 resp = web.StreamResponse(headers={"Content-Type": FRAMES_TYPE, "Cache-Control": "no-store",
-                                                   "Server-Timing": f"first;dur={(time.perf_counter() - t0) * 1e3:.2f}"})
+                                                   "Server-Timing": f"first;dur={(time.perf_counter() - t0) * 1e3:.2f}",
+                                                   "Dataferry-Work": gate.work.header()})
                 resp.enable_chunked_encoding()
                 writer = await resp.prepare(request)
                 assert writer is not None

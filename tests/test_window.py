@@ -119,6 +119,75 @@ def test_the_request_size_grows_when_requests_cost_cpu_and_each_decision_is_logg
     assert {n for n, k in src.sizes.items() if k > 2} <= announced, (src.sizes, announced)
 
 
+class _Clock:
+    """Wall and CPU time for the sizer (``_sizer.time``), moved by the test."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+
+    def monotonic(self) -> float:
+        return self.wall
+
+    def process_time(self) -> float:
+        return self.cpu
+
+
+def _sizes_chosen(monkeypatch, rate: dict[int, float], cpu_us: float = 40.0, wide: int = 1024,
+                  server_us: tuple[float, float] | None = None) -> list[str]:
+    """The sizer's decisions (``Link`` logs them), answering requests of its size at ``rate[size]``
+    samples a second and ``cpu_us`` of CPU a sample, from 32 ids until it is done; ``server_us``:
+    the server's CPU a request and a sample, told as ``HttpSource.server_work`` tells it."""
+    import dataferry.client._sizer as sizer_module
+
+    clock = _Clock()
+    monkeypatch.setattr(sizer_module, "time", clock)
+    work = [0.0, 0]
+    server = None if server_us is None else (lambda: (work[0], work[1]))
+    sizer = sizer_module._RequestSizer(32, lambda: wide, lambda: wide, lambda: 0.002, server)
+    why = []
+    while not sizer.done:
+        n = sizer.size
+        clock.wall += n / rate[n]
+        clock.cpu += n * cpu_us * 1e-6
+        if server_us is not None:
+            work[0] += (server_us[0] + n * server_us[1]) * 1e-6
+            work[1] += n
+        change = sizer.answered(n, n, 4.0)
+        if change is not None:
+            why.append(f"{change[0]}: {change[1]}")
+    return why
+
+
+def test_the_request_size_climbs_while_larger_requests_deliver_more(monkeypatch):
+    # each doubling 5% faster or more goes on to the next; the first that is not is kept (a tie
+    # goes to the larger request) and the sizer stops
+    why = _sizes_chosen(monkeypatch, {32: 10_000, 64: 13_000, 128: 16_000, 256: 16_300})
+    assert [w.split(":")[0] for w in why] == ["64", "128", "256", "256"], why
+    assert "faster at no less CPU; trying 128" in why[1] and "trying 256" in why[2] and "as fast or faster" in why[3]
+    # not faster: twice the first size is kept, and nothing larger is tried
+    why = _sizes_chosen(monkeypatch, {32: 10_000, 64: 10_200})
+    assert [w.split(":")[0] for w in why] == ["64", "64"], why
+    # faster, but the budget allows no more than 64 ids
+    why = _sizes_chosen(monkeypatch, {32: 10_000, 64: 13_000}, wide=64)
+    assert [w.split(":")[0] for w in why] == ["64", "64"], why
+    # slower, and no cheaper: back to the first size
+    why = _sizes_chosen(monkeypatch, {32: 10_000, 64: 8_000})
+    assert [w.split(":")[0] for w in why] == ["64", "32"] and "slower and no cheaper" in why[1], why
+
+
+def test_the_server_s_cost_per_request_that_it_tells_counts_in_the_request_size(monkeypatch):
+    # the same rate and client CPU at every size, but 2 ms of the server's CPU a request and 60 us
+    # a sample: 32 ids cost 60 + 62.5 us a sample at the server, 64 ids 60 + 31.3; told, that is
+    # worth larger requests (the model: doubling m saves under 5% once m > 2 ms x 0.45 / (0.05 x
+    # 100 us) = 180 ids, so 256); untold, a tie
+    rate = dict.fromkeys((32, 64, 128, 256, 512, 1024), 10_000.0)
+    why = _sizes_chosen(monkeypatch, rate, server_us=(2000.0, 60.0))
+    assert [w.split(":")[0] for w in why] == ["64", "256"], why
+    assert "40.0 here, 122.5 at the server" in why[0] and "about 2000 us per request" in why[1], why
+    why = _sizes_chosen(monkeypatch, rate)
+    assert [w.split(":")[0] for w in why] == ["64", "64"] and "fewer requests for the server" in why[1], why
+
+
 def test_explicit_options_turn_the_tuner_off(caplog):
     src = Recording("d", samples(3000, 64), latency=0.01)
     prefetch = Prefetch(request_size=16, max_inflight=6)

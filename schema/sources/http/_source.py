@@ -22,7 +22,6 @@ import json
 import logging
 import ssl
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from urllib.parse import quote
@@ -55,6 +54,7 @@ from ._buffers import BufferPool
 from ._options import HttpOptions, base_url, ssl_context
 from ._connection import Connection, HttpProtocolError, NotHttp, Unreachable, collector, read_body
 from ._pool import Pool
+from ._timing import ServiceTiming
 
 __all__ = ["HttpSource", "HttpOptions", "TokenRefused", "RequestRejected"]
 
@@ -141,10 +141,7 @@ class HttpSource:
         self._pool: Pool | None = pool
         self._buffers = BufferPool(options.spare_buffers, options.arena)
         self._mean_record = 0.0  # bytes per record of the last response (0: none yet)
-        #: the link's part of a request's time to its response head (that time less the server's
-        #: own, from its Server-Timing header), the lowest of the last 64; None: not told yet
-        self.link_rtt: float | None = None
-        self._link_rtts: deque[float] = deque(maxlen=64)
+        self.timing = ServiceTiming()  # what the service's response heads say of it, for the tuner
         self._has_token = token is not None
         u = URL(url)
         host = f"[{u.host}]" if ":" in (u.host or "") else u.host
@@ -209,17 +206,15 @@ class HttpSource:
         return cls(base, pool, options, token, file)
 
     # --- the seam ------------------------------------------------------------------
-    def _timed(self, head_s: float, timing: str | None) -> None:
-        """A response head came ``head_s`` after its request; ``timing``: its Server-Timing
-        (``first;dur=MS``, the server's time to its first records). Updates ``link_rtt``."""
-        if not timing or not timing.startswith("first;dur="):
-            return
-        try:
-            server = float(timing[10:]) / 1e3
-        except ValueError:
-            return
-        self._link_rtts.append(max(0.0, head_s - server))
-        self.link_rtt = min(self._link_rtts)
+    @property
+    def link_rtt(self) -> float | None:
+        """The link's round trip without the service's time (``ServiceTiming``); None: not told yet."""
+        return self.timing.link_rtt
+
+    @property
+    def server_work(self) -> tuple[float, int]:
+        """The service's CPU seconds and samples answered so far, as its workers told them."""
+        return self.timing.server_work
 
     async def fetch(self, dataset: str, ids: Sequence[int]) -> AsyncIterator[Sample | SampleNotFound]:
         """One batch request; yield each record as it arrives (completion order)."""
@@ -247,7 +242,10 @@ class HttpSource:
                     reused = conn.last_used > 0  # a new connection's time has its connect in it
                     await self._check_response(conn, "POST", path, FRAMES_TYPE, what, dataset=dataset)
                     if reused:
-                        self._timed(time.monotonic() - sent, conn.head.headers.get("server-timing"))
+                        self.timing.timed(time.monotonic() - sent, conn.head.headers.get("server-timing"))
+                    work = conn.head.headers.get("dataferry-work")
+                    if work is not None:
+                        self.timing.worked(work)
                     while True:
                         if decoder.records:
                             for rec in decoder.take():
