@@ -23,7 +23,7 @@ class _RequestSizer:
     wall second and the CPU per sample are measured at that size ``n`` and at ``2n``: this
     process's (every thread: the engine's, the consumer's, decoding) and, where the source tells
     it (``server``: ``HttpSource.server_work``, from the service's ``Dataferry-Work`` header), the
-    server's per sample it answered meanwhile. ``2n`` is kept unless it delivered ``SAVING``
+    server's per sample it answered meanwhile (other clients' requests too, where it has them). ``2n`` is kept unless it delivered ``SAVING``
     fewer samples a second and cost no ``SAVING`` less CPU (a tie goes to the larger request,
     which never costs the server more); where it delivered ``SAVING`` more at no ``SAVING`` less
     CPU, ``4n`` is measured against it the same way, and so on; where ``2n`` saved CPU,
