@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import gc
+import logging
 import time
 from collections import Counter
 
@@ -19,10 +20,37 @@ from dataferry.client import Hedge, Loader, MemorySource, Prefetch
 from dataferry.client._tuner import Link
 
 
+class _Decisions(logging.Handler):
+    """The tuner's log lines, for an assertion's message."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.relativeCreated / 1e3:.2f}s {record.getMessage()}")
+
+
 def tuned_size(src: MemorySource, n: int, epochs: int) -> tuple[int, Counter[int]]:
-    with Loader(src, "d", batch_size=64, prefetch=Prefetch(max_bytes=1 << 30), hedge=NO_HEDGE) as loader:
-        got = epochs_of(loader, epochs)
-        size = loader._link.request_size
+    """The request size the tuner ends at, and the requests sent at each size. ``src.decisions``:
+    the tuner's log lines, for a failing assertion to show. The suite's own heap is frozen out of
+    the garbage collector first: the sizer measures this process's CPU per sample, and a full
+    collection of a large heap in a measurement part is not the engine's cost."""
+    handler, tune = _Decisions(), logging.getLogger("dataferry.client.tune")
+    level = tune.level
+    tune.addHandler(handler)
+    tune.setLevel(logging.INFO)
+    gc.collect()
+    gc.freeze()
+    try:
+        with Loader(src, "d", batch_size=64, prefetch=Prefetch(max_bytes=1 << 30), hedge=NO_HEDGE) as loader:
+            got = epochs_of(loader, epochs)
+            size = loader._link.request_size
+    finally:
+        gc.unfreeze()
+        tune.removeHandler(handler)
+        tune.setLevel(level)
+    src.decisions = handler.lines
     assert Counter(got) == Counter({i: epochs for i in range(n)})
     return size, src.sizes
 
@@ -33,8 +61,9 @@ def test_a_source_without_a_per_request_byte_limit_gets_larger_requests_over_a_l
     # MemorySource has no connection: only the engine's own 16 MiB a request applies (128 ids),
     # not 6 MiB (32 ids)
     n = 12288
-    size, sizes = tuned_size(Overhead("d", shared(n, 100_000), latency=0.02, cpu=0.001), n, 2)
-    assert size == 128, (size, sizes)
+    src = Overhead("d", shared(n, 100_000), latency=0.02, cpu=0.001)
+    size, sizes = tuned_size(src, n, 2)
+    assert size == 128, (size, sizes, src.decisions)
     assert sizes[128] > 10, sizes
     assert MemorySource.max_request_bytes is None
 
@@ -70,7 +99,7 @@ def test_a_source_that_says_nothing_keeps_the_long_round_trip_cap_where_a_window
     src = Plain(Overhead("d", shared(n, 100_000), latency=0.1, cpu=0.003), window=6 << 20)
     assert not hasattr(src, "max_request_bytes")
     size, sizes = tuned_size(src, n, 4)
-    assert size == 32, (size, sizes)
+    assert size == 32, (size, sizes, src.decisions)
     assert max(sizes) <= 64 and sizes[64] < 60, sizes
 
 
@@ -81,7 +110,7 @@ def test_past_the_long_round_trip_cap_a_size_is_kept_once_its_answers_come_withi
     n = 12288
     src = Plain(Overhead("d", shared(n, 100_000), latency=0.1, cpu=0.003))
     size, sizes = tuned_size(src, n, 4)
-    assert size == 128, (size, sizes)
+    assert size == 128, (size, sizes, src.decisions)
     assert sizes[128] > 10, sizes
 
 
