@@ -23,10 +23,11 @@ class _RequestSizer:
     wall second and the CPU per sample are measured at that size ``n`` and at ``2n``: this
     process's (every thread: the engine's, the consumer's, decoding) and, where the source tells
     it (``server``: ``HttpSource.server_work``, from the service's ``Dataferry-Work`` header), the
-    server's per sample it answered meanwhile (other clients' requests too, where it has them). ``2n`` is kept unless it delivered ``SAVING``
-    fewer samples a second and cost no ``SAVING`` less CPU (a tie goes to the larger request,
-    which never costs the server more); where it delivered ``SAVING`` more at no ``SAVING`` less
-    CPU, ``4n`` is measured against it the same way, and so on; where ``2n`` saved CPU,
+    server's per sample it answered meanwhile (other clients' requests too, where it has them).
+    ``2n`` is kept unless it delivered ``SAVING`` fewer samples a second and cost no ``SAVING``
+    less CPU (a tie goes to the larger request, which never costs the server more); where it
+    delivered ``SAVING`` more at no ``SAVING`` less CPU, ``4n`` is measured against it the same
+    way, and so on; where ``2n`` saved CPU,
     the size is the smallest power-of-two multiple of ``n`` past which a doubling would save less
     than ``SAVING`` (``c + o/n`` against ``c + o/2n``), within ``Link._size_cap``. Decided once
     per loader (a slow link may still cut it: ``Link._fit_size``).

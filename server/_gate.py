@@ -42,10 +42,17 @@ class Work:
         self._name = ""
         self._cpu0 = 0.0
 
+    def answered(self, samples: int) -> None:
+        self._mine()
+        self.samples += samples
+
     def header(self) -> str:
-        if os.getpid() != self._pid:  # made before a fork: this process counts from now
-            self._pid, self._name, self._cpu0, self.samples = os.getpid(), secrets.token_hex(4), time.process_time(), 0
+        self._mine()
         return f"worker={self._name}; cpu_us={int((time.process_time() - self._cpu0) * 1e6)}; samples={self.samples}"
+
+    def _mine(self) -> None:
+        if os.getpid() != self._pid:  # new, or made before a fork: this process counts from now
+            self._pid, self._name, self._cpu0, self.samples = os.getpid(), secrets.token_hex(4), time.process_time(), 0
 
 
 class StoreGate:

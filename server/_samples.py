@@ -191,7 +191,7 @@ async def _produce(gate: StoreGate, dataset: str, ids: np.ndarray, outbox: Outbo
         log.exception("store %s: fetch from dataset %r failed", gate.where, dataset)
         outbox.close(exc)
     finally:
-        gate.work.samples += found + missing
+        gate.work.answered(found + missing)
         if found:
             metrics.samples.inc(found)
         if missing:
