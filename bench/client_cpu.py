@@ -134,7 +134,8 @@ def _print_profile(profiles: list[dict[str, float]], runs: list[Run], top: int =
     med = {k: statistics.median(p.get(k, 0.0) for p in profiles) for k in keys}
     by_dso: dict[str, float] = {}
     for k, v in med.items():
-        by_dso[k.split(" ")[0]] = by_dso.get(k.split(" ")[0], 0.0) + v
+        dso = k.split(" ")[0]
+        by_dso[dso] = by_dso.get(dso, 0.0) + v
     print(f"  perf: median share of {len(profiles)} runs' samples, as us of the median {us:.1f} us/sample")
     for k, v in sorted(med.items(), key=lambda kv: -kv[1])[:top]:
         print(f"    {v * us:5.1f} us  {v * 100:4.1f}%  {k}")
@@ -302,9 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             with ProxyLink().emulate(Condition(rtt_ms=rtt)) as route:
                 host, port = route(server) if rtt > 0 else server
                 url = f"http://{host}:{port}"
-                profiles: list[dict[str, float]] = [{} for _ in range(args.repeats)] if args.perf else []
-                runs = [measure(url, DATASET, args.epochs, args.batch_size, profile=profiles[k] if args.perf else None)
-                        for k in range(args.repeats)]
+                profiles: list = [{} if args.perf else None for _ in range(args.repeats)]
+                runs = [measure(url, DATASET, args.epochs, args.batch_size, profile=p) for p in profiles]
             row = _row(f"HTTP, {'direct' if rtt == 0 else 'latency proxy'}", f"{rtt:g}", runs)
             each = " ".join(f"{r.us_per_sample:.1f}" for r in runs)
             print(f"http rtt {rtt:g} ms: {row[2]} us/sample (runs: {each}), user {row[3]}, sys {row[4]}, "

@@ -23,13 +23,12 @@ import math
 import queue
 import time
 import weakref
-from dataclasses import replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from dataferry.schema import (
     ALL_SPLIT, ConfigError, DataferryError, IdList, LoopThread, SampleSource, content_hash,
 )
-from dataferry.schema.sources import HttpOptions, source_factory
+from dataferry.schema.sources import source_factory
 
 from ._engine import Run
 from ._retry import describe_source, retrying
@@ -41,6 +40,9 @@ from ._doneset import DoneSet
 from ._elastic import DealtPlan, dealt_of, gather, merge_states, resume_plan
 from ._attribution import Attributor, Interval
 from ._stats import MAX_IDS, Counters, EngineCpu, Stats, Taken, snapshot
+
+if TYPE_CHECKING:
+    from dataferry.schema.sources import HttpOptions
 
 __all__ = ["Loader", "LoaderEpoch"]
 
@@ -150,11 +152,10 @@ class Loader:
             raise ConfigError(f"batch_size must be >= 1, not {batch_size}")
         if log_interval is not None and log_interval <= 0:
             raise ConfigError(f"log_interval must be > 0 seconds, not {log_interval}")
-        if not errors.verify and isinstance(source, str) and source.startswith(("http://", "https://")):
-            http = replace(http or HttpOptions(), checksums=False)  # not asked for, so not checked on arrival
         service = dict(token=token, token_file=token_file, ca_file=ca_file, http=http)
         if isinstance(source, str) or any(v is not None for v in service.values()):
-            source = source_factory(source, create=False, **service)  # the one URL dispatcher
+            # the one URL dispatcher; verify off: a service is asked for no checksums either
+            source = source_factory(source, create=False, checksums=errors.verify, **service)
         if order not in ("completion", "input"):
             raise ConfigError(f"order must be 'completion' or 'input', not {order!r}")
         if ids is None and hasattr(source, "fetch") and not hasattr(source, "read_split"):

@@ -82,8 +82,7 @@ class _RequestSizer:
         if self._target:
             return self._check() if whole else None
         if self._cpu0 is None:
-            self._cpu0, self._t0 = time.process_time(), time.monotonic()
-            self._server0 = self._server() if self._server is not None else None
+            self._cpu0, self._t0, self._server0 = time.process_time(), time.monotonic(), self._told()
             return None
         self._samples += samples
         self._requests += 1
@@ -93,7 +92,7 @@ class _RequestSizer:
         if t - self._t0 < self.SECONDS:
             return None
         now = time.process_time()
-        server, server0 = (self._server() if self._server is not None else None), self._server0
+        server, server0 = self._told(), self._server0
         at_server = None  # the server's CPU per sample it answered over the part, where it tells it
         if server is not None and server0 is not None and server[1] > server0[1]:
             at_server = (server[0] - server0[0]) / (server[1] - server0[1])
@@ -115,9 +114,7 @@ class _RequestSizer:
             if n * 2 > wide:
                 self.done = True
                 return n, f"{n} ids per request: {rb:,.0f} samples/s at {cost}; the byte budget allows no more"
-            beyond = "" if n * 2 <= upper else " (past the long round trip's limit: kept if it comes within one)"
-            return self._resize(n * 2, window, f"{n} ids per request: {rb:,.0f} samples/s at {cost}; "
-                                               f"trying {n * 2}{beyond}")
+            return self._double(upper, window, f"{n} ids per request: {rb:,.0f} samples/s at {cost}")
         self.done = True
         (a_here, a_there, ra), small = self._before, n // 2  # at n/2 and at n
         a, b, both = a_here, here, False
@@ -136,8 +133,7 @@ class _RequestSizer:
         if a - b <= self.SAVING * a:  # no cheaper
             if rb > (1 + self.SAVING) * ra and n * 2 <= wide:  # but faster: the objective says go on
                 self.done, self._before = False, (here, there, rb)
-                beyond = "" if n * 2 <= upper else " (past the long round trip's limit: kept if it comes within one)"
-                return self._resize(n * 2, window, f"{seen}: faster at no less CPU; trying {n * 2}{beyond}")
+                return self._double(upper, window, f"{seen}: faster at no less CPU")
             fewer = "" if both else ", and fewer requests for the server"
             return n, f"{seen}: as fast or faster{fewer}; {n} ids"
         # a = c + o / small, b = c + o / n: the per-request overhead o and the per-sample cost c
@@ -176,6 +172,16 @@ class _RequestSizer:
             return self._resize(n * 2, 0, f"{came}: trying {n * 2}")
         self.done, self._target = True, 0
         return n, f"{came}: {n} ids"
+
+    def _told(self) -> tuple[float, int] | None:
+        """The server's CPU seconds and samples answered so far, where the source tells them."""
+        return self._server() if self._server is not None else None
+
+    def _double(self, upper: int, window: float, seen: str) -> tuple[int, str]:
+        """Measure at twice this size next (``upper``: the long-link limit now)."""
+        n = self.size * 2
+        beyond = "" if n <= upper else " (past the long round trip's limit: kept if it comes within one)"
+        return self._resize(n, window, f"{seen}; trying {n}{beyond}")
 
     def _resize(self, size: int, window: float, why: str) -> tuple[int, str]:
         """Measure at ``size`` next: its rate after the requests of the old size in flight

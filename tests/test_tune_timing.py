@@ -6,6 +6,7 @@ tells the request sizer the server's CPU per sample."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import aiohttp
 
@@ -33,25 +34,41 @@ class SlowStore:
             yield rec
 
 
+@contextlib.asynccontextmanager
+async def _service(tmp_path, samples, wrap=lambda store: store):
+    """The real app over a SQLite store of ``samples`` (dataset ``d``, the store through ``wrap``)
+    on loopback: its base URL."""
+    async with await open_store(f"sqlite://{tmp_path / 's.db'}") as store:
+        await seed(store, "d", samples)
+        async with serve(make_app(wrap(store))) as base:
+            yield base
+
+
+async def _heads(base: str, ids: list[int], header: str, times: int = 1) -> list[str]:
+    """``header`` of ``times`` batch fetches of ``ids`` in a row, each read to its end."""
+    got = []
+    async with aiohttp.ClientSession() as http:
+        for _ in range(times):
+            async with http.post(f"{base}/v1/datasets/d/samples", json={"ids": ids}) as resp:
+                got.append(resp.headers[header])
+                await resp.read()
+    return got
+
+
 def test_the_server_reports_its_time_and_the_source_takes_it_out_of_the_round_trip(tmp_path):
     samples = make_samples(8, size=1000)
     ids = [s.id for s in samples]
 
     async def go():
-        async with await open_store(f"sqlite://{tmp_path / 's.db'}") as store:
-            await seed(store, "d", samples)
-            async with serve(make_app(SlowStore(store, 0.08))) as base:
-                async with aiohttp.ClientSession() as http:
-                    async with http.post(f"{base}/v1/datasets/d/samples", json={"ids": ids}) as resp:
-                        timing = resp.headers["Server-Timing"]
-                        await resp.read()
-                async with await HttpSource.open(base) as src:
-                    got = [r async for r in src.fetch("d", ids)]
-                    assert src.link_rtt is None  # a new connection's first request: its connect counts
-                    t0 = asyncio.get_running_loop().time()
-                    got = [r async for r in src.fetch("d", ids)]
-                    took = asyncio.get_running_loop().time() - t0
-                    return timing, src.link_rtt, took, len(got)
+        async with _service(tmp_path, samples, lambda store: SlowStore(store, 0.08)) as base:
+            (timing,) = await _heads(base, ids, "Server-Timing")
+            async with await HttpSource.open(base) as src:
+                got = [r async for r in src.fetch("d", ids)]
+                assert src.link_rtt is None  # a new connection's first request: its connect counts
+                t0 = asyncio.get_running_loop().time()
+                got = [r async for r in src.fetch("d", ids)]
+                took = asyncio.get_running_loop().time() - t0
+                return timing, src.link_rtt, took, len(got)
 
     timing, link_rtt, took, n = run(go())
     assert n == 8
@@ -64,21 +81,14 @@ def test_the_server_tells_its_cpu_and_samples_and_the_source_sums_them_between_a
     ids = [s.id for s in samples]
 
     async def go():
-        async with await open_store(f"sqlite://{tmp_path / 's.db'}") as store:
-            await seed(store, "d", samples)
-            async with serve(make_app(store)) as base:
-                async with aiohttp.ClientSession() as http:
-                    heads = []
-                    for _ in range(2):
-                        async with http.post(f"{base}/v1/datasets/d/samples", json={"ids": ids}) as resp:
-                            heads.append(resp.headers["Dataferry-Work"])
-                            await resp.read()
-                async with await HttpSource.open(base) as src:
-                    told = [src.server_work]
-                    for _ in range(3):
-                        assert len([r async for r in src.fetch("d", ids)]) == 40
-                        told.append(src.server_work)
-                    return heads, told
+        async with _service(tmp_path, samples) as base:
+            heads = await _heads(base, ids, "Dataferry-Work", times=2)
+            async with await HttpSource.open(base) as src:
+                told = [src.server_work]
+                for _ in range(3):
+                    assert len([r async for r in src.fetch("d", ids)]) == 40
+                    told.append(src.server_work)
+                return heads, told
 
     heads, told = run(go())
     fields = [dict(p.split("=") for p in h.split("; ")) for h in heads]

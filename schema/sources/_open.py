@@ -41,12 +41,14 @@ async def open_source(url: str = DEFAULT_STORE_URL, *, token: str | None = None,
 
 def source_factory(url: str, *, token: str | None = None, token_file: str | None = None,
                    ca_file: str | None = None, http: HttpOptions | None = None, create: bool = True,
-                   serving: bool = False) -> Callable[[], Awaitable[SampleSource]]:
+                   serving: bool = False, checksums: bool = True) -> Callable[[], Awaitable[SampleSource]]:
     """:func:`open_source` with its arguments checked now and the opening left for later:
     a coroutine function of no arguments (the Loader runs it on its engine's loop).
 
     ``token``, ``token_file``, ``ca_file`` and ``http`` are for a data service URL only;
     ``ca_file`` for an ``https://`` one; ``token`` and ``token_file`` exclude each other.
+    ``checksums=False`` (a Loader's ``ErrorPolicy(verify=False)``): a data service is asked
+    for no checksums (``HttpOptions.checksums``); a store's come with its rows either way.
     """
     service = dict(token=token, token_file=token_file, ca_file=ca_file, http=http)
     given = ", ".join(f"{k}=" for k, v in service.items() if v is not None)
@@ -65,6 +67,8 @@ def source_factory(url: str, *, token: str | None = None, token_file: str | None
     options = http if http is not None else HttpOptions()
     if ca_file is not None:
         options = replace(options, ca_file=ca_file)
+    if not checksums:
+        options = replace(options, checksums=False)
     return functools.partial(HttpSource.open, url, token=token, token_file=token_file, options=options)
 
 
