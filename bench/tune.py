@@ -1,8 +1,9 @@
 """Defaults against the self-tuning loader against a hand-tuned grid, on two links.
 
 ``python -m dataferry.bench.tune [--seconds 3] [--runs 3] [--images 65536] [--size 110000] [--links fast,slow]``
-``python -m dataferry.bench.tune --http [--rtts 0,100,200] [--pairs 3] [--seconds 3] [--proxy-window 4MiB]``: a real
-``dataferry serve --workers 2`` behind a latency proxy, the default against the best hand-tuned.
+``python -m dataferry.bench.tune --http [--rtts 0,100,200] [--pairs 3] [--seconds 3] [--proxy-window 4MiB] [--control]``:
+a real ``dataferry serve --workers 2`` behind a latency proxy, the default against the best hand-tuned
+(``--control``: and the best against itself, what one setting's pairs read on this machine).
 
 The links (``--links``):
 
@@ -66,6 +67,8 @@ def http_main(args) -> int:
                     order = ("default", best) if i % 2 == 0 else (best, "default")
                     got = {s: run(url, s, seconds) for s in order}
                     pairs.append((got["default"], got[best]))
+                # the control: the same setting twice, what a pair reads when nothing differs
+                control = [(run(url, best, seconds)[0], run(url, best, seconds)[0]) for _ in range(args.pairs * args.control)]
             ratios = [d[0].samples_per_s / b[0].samples_per_s for d, b in pairs]
             print(f"\n{rtt:g} ms RTT (latency proxy, window {args.proxy_window or 'tcp_rmem max'}), serve --workers 2, "
                   f"{args.store_images} JPEGs in SQLite, batch {args.batch_size}, runs of {seconds:g} s; grid (one run each):")
@@ -80,9 +83,23 @@ def http_main(args) -> int:
                           f"{b.us_per_sample:.0f}+{bs:.0f}", f"{d.window} x {d.request_size}"]
                          for i, ((d, ds), (b, bs)) in enumerate(pairs)]))
             summary.append(f"{rtt:g} ms: default / best hand-tuned ({best}) median {statistics.median(ratios):.2f}, "
-                           f"range {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} alternated pairs")
+                           f"range {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} alternated pairs, "
+                           f"{_within(ratios)}")
+            if control:
+                same = [a.samples_per_s / b.samples_per_s for a, b in control]
+                print(f"control, {best} against itself (first run / second):")
+                print(table(["pair", "first /s", "second /s", "ratio"],
+                            [[str(i + 1), f"{a.samples_per_s:,.0f}", f"{b.samples_per_s:,.0f}", f"{r:.2f}"]
+                             for i, ((a, b), r) in enumerate(zip(control, same))]))
+                summary.append(f"{rtt:g} ms: control, the best against itself: median {statistics.median(same):.2f}, "
+                               f"range {min(same):.2f}-{max(same):.2f} over {len(same)} pairs, {_within(same)}")
     print("\n" + "\n".join(summary))
     return 0
+
+
+def _within(ratios: list[float], share: float = 0.10) -> str:
+    """How many pairs read within ``share``: the first at least ``1 - share`` of the second."""
+    return f"within {share:.0%} in {sum(r >= 1 - share for r in ratios)} of {len(ratios)}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rtts", default="0,100,200", help="--http: round trips in ms")
     p.add_argument("--pairs", type=int, default=3, help="--http: alternated pairs per round trip")
     p.add_argument("--store-images", type=int, default=4096, help="--http: JPEGs in the SQLite store")
+    p.add_argument("--control", type=int, nargs="?", const=1, default=0, metavar="K",
+                   help="--http: also K x --pairs pairs of the best against itself (default K 1): the noise "
+                        "a pair of one setting reads, against which the default's pairs are judged")
     p.add_argument("--proxy-window", metavar="BYTES",
                    help="--http: the latency proxy's TCP window per connection and direction, e.g. 4MiB (a "
                         "sender's tcp_wmem maximum) or none (default: the proxy's, this kernel's tcp_rmem maximum)")
