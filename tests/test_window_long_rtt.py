@@ -50,7 +50,7 @@ def tuned_size(src: MemorySource, n: int, epochs: int) -> tuple[int, Counter[int
         gc.unfreeze()
         tune.removeHandler(handler)
         tune.setLevel(level)
-    src.decisions = handler.lines
+    src.decisions = "\n".join(handler.lines)  # a string: pytest shows a message string whole
     assert Counter(got) == Counter({i: epochs for i in range(n)})
     return size, src.sizes
 
@@ -63,7 +63,7 @@ def test_a_source_without_a_per_request_byte_limit_gets_larger_requests_over_a_l
     n = 12288
     src = Overhead("d", shared(n, 100_000), latency=0.02, cpu=0.001)
     size, sizes = tuned_size(src, n, 2)
-    assert size == 128, (size, sizes, src.decisions)
+    assert size == 128, f"{size} ids ({dict(sizes)}); the tuner said:\n{src.decisions}"
     assert sizes[128] > 10, sizes
     assert MemorySource.max_request_bytes is None
 
@@ -99,7 +99,7 @@ def test_a_source_that_says_nothing_keeps_the_long_round_trip_cap_where_a_window
     src = Plain(Overhead("d", shared(n, 100_000), latency=0.1, cpu=0.003), window=6 << 20)
     assert not hasattr(src, "max_request_bytes")
     size, sizes = tuned_size(src, n, 4)
-    assert size == 32, (size, sizes, src.decisions)
+    assert size == 32, f"{size} ids ({dict(sizes)}); the tuner said:\n{src.decisions}"
     assert max(sizes) <= 64 and sizes[64] < 60, sizes
 
 
@@ -110,7 +110,7 @@ def test_past_the_long_round_trip_cap_a_size_is_kept_once_its_answers_come_withi
     n = 12288
     src = Plain(Overhead("d", shared(n, 100_000), latency=0.1, cpu=0.003))
     size, sizes = tuned_size(src, n, 4)
-    assert size == 128, (size, sizes, src.decisions)
+    assert size == 128, f"{size} ids ({dict(sizes)}); the tuner said:\n{src.decisions}"
     assert sizes[128] > 10, sizes
 
 
