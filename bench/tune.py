@@ -82,19 +82,22 @@ def http_main(args) -> int:
                           f"{d.samples_per_s / b.samples_per_s:.2f}", f"{d.us_per_sample:.0f}+{ds:.0f}",
                           f"{b.us_per_sample:.0f}+{bs:.0f}", f"{d.window} x {d.request_size}"]
                          for i, ((d, ds), (b, bs)) in enumerate(pairs)]))
-            summary.append(f"{rtt:g} ms: default / best hand-tuned ({best}) median {statistics.median(ratios):.2f}, "
-                           f"range {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} alternated pairs, "
-                           f"{_within(ratios)}")
+            summary.append(f"{rtt:g} ms: default / best hand-tuned ({best}) {_read(ratios, 'alternated pairs')}")
             if control:
                 same = [a.samples_per_s / b.samples_per_s for a, b in control]
                 print(f"control, {best} against itself (first run / second):")
                 print(table(["pair", "first /s", "second /s", "ratio"],
                             [[str(i + 1), f"{a.samples_per_s:,.0f}", f"{b.samples_per_s:,.0f}", f"{r:.2f}"]
                              for i, ((a, b), r) in enumerate(zip(control, same))]))
-                summary.append(f"{rtt:g} ms: control, the best against itself: median {statistics.median(same):.2f}, "
-                               f"range {min(same):.2f}-{max(same):.2f} over {len(same)} pairs, {_within(same)}")
+                summary.append(f"{rtt:g} ms: control, the best against itself: {_read(same, 'pairs')}")
     print("\n" + "\n".join(summary))
     return 0
+
+
+def _read(ratios: list[float], pairs: str) -> str:
+    """A summary line's figures: median, range and the pairs within 10% of ``ratios``."""
+    return (f"median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f} over "
+            f"{len(ratios)} {pairs}, {_within(ratios)}")
 
 
 def _within(ratios: list[float], share: float = 0.10) -> str:

@@ -20,50 +20,39 @@ from dataferry.client import Hedge, Loader, MemorySource, Prefetch
 from dataferry.client._tuner import Link
 
 
-class _Decisions(logging.Handler):
-    """The tuner's log lines, for an assertion's message."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(f"{record.relativeCreated / 1e3:.2f}s {record.getMessage()}")
+TUNE_LOG = "dataferry.client.tune"
 
 
-def tuned_size(src: MemorySource, n: int, epochs: int) -> tuple[int, Counter[int]]:
-    """The request size the tuner ends at, and the requests sent at each size. ``src.decisions``:
-    the tuner's log lines, for a failing assertion to show. The suite's own heap is frozen out of
-    the garbage collector first: the sizer measures this process's CPU per sample, and a full
-    collection of a large heap in a measurement part is not the engine's cost."""
-    handler, tune = _Decisions(), logging.getLogger("dataferry.client.tune")
-    level = tune.level
-    tune.addHandler(handler)
-    tune.setLevel(logging.INFO)
+def tuned_size(src: MemorySource, n: int, epochs: int, caplog) -> tuple[int, Counter[int]]:
+    """The request size the tuner ends at, and the requests sent at each size. ``src.said``: both
+    and the tuner's log lines, timed, for a failing assertion to show (a string: pytest shows a
+    message string whole). The suite's own heap is frozen out of the garbage collector first: the
+    sizer measures this process's CPU per sample, and a full collection of a large heap in a
+    measurement part is not the engine's cost."""
     gc.collect()
     gc.freeze()
     try:
-        with Loader(src, "d", batch_size=64, prefetch=Prefetch(max_bytes=1 << 30), hedge=NO_HEDGE) as loader:
+        with caplog.at_level(logging.INFO, logger=TUNE_LOG), \
+                Loader(src, "d", batch_size=64, prefetch=Prefetch(max_bytes=1 << 30), hedge=NO_HEDGE) as loader:
             got = epochs_of(loader, epochs)
             size = loader._link.request_size
     finally:
         gc.unfreeze()
-        tune.removeHandler(handler)
-        tune.setLevel(level)
-    src.decisions = "\n".join(handler.lines)  # a string: pytest shows a message string whole
+    said = "\n".join(f"{r.relativeCreated / 1e3:.2f}s {r.getMessage()}" for r in caplog.records if r.name == TUNE_LOG)
+    src.said = f"{size} ids ({dict(src.sizes)}); the tuner said:\n{said}"
     assert Counter(got) == Counter({i: epochs for i in range(n)})
     return size, src.sizes
 
 
-def test_a_source_without_a_per_request_byte_limit_gets_larger_requests_over_a_long_round_trip():
+def test_a_source_without_a_per_request_byte_limit_gets_larger_requests_over_a_long_round_trip(caplog):
     # 20 ms a request (a long round trip: the HTTP path caps a request at 6 MiB there, one TCP
     # window), 100 kB samples, 1 ms of CPU a request: the sizer wants requests as large as allowed.
     # MemorySource has no connection: only the engine's own 16 MiB a request applies (128 ids),
     # not 6 MiB (32 ids)
     n = 12288
     src = Overhead("d", shared(n, 100_000), latency=0.02, cpu=0.001)
-    size, sizes = tuned_size(src, n, 2)
-    assert size == 128, f"{size} ids ({dict(sizes)}); the tuner said:\n{src.decisions}"
+    size, sizes = tuned_size(src, n, 2, caplog)
+    assert size == 128, src.said
     assert sizes[128] > 10, sizes
     assert MemorySource.max_request_bytes is None
 
@@ -91,26 +80,26 @@ class Plain:
 # 100 ms: a round trip well above this process's own spread of an answer (0-41 ms here, loaded);
 # 3 ms of the engine thread's CPU a request, so that the sizer wants the largest requests allowed
 # whatever the load (at 1 ms its model read 0.1-1.1 ms a request at 100 ms, and kept 16-32 ids)
-def test_a_source_that_says_nothing_keeps_the_long_round_trip_cap_where_a_window_holds_less():
+def test_a_source_that_says_nothing_keeps_the_long_round_trip_cap_where_a_window_holds_less(caplog):
     # no max_request_bytes attribute (HttpSource, a store): 6 MiB a request over a long round trip,
     # 62 ids of 100 kB, so 32 in powers of two from batch / 8. Past it, 64 ids spread over a
     # second round trip through a 6 MiB window: back to 32
     n = 12288
     src = Plain(Overhead("d", shared(n, 100_000), latency=0.1, cpu=0.003), window=6 << 20)
     assert not hasattr(src, "max_request_bytes")
-    size, sizes = tuned_size(src, n, 4)
-    assert size == 32, f"{size} ids ({dict(sizes)}); the tuner said:\n{src.decisions}"
+    size, sizes = tuned_size(src, n, 4, caplog)
+    assert size == 32, src.said
     assert max(sizes) <= 64 and sizes[64] < 60, sizes
 
 
-def test_past_the_long_round_trip_cap_a_size_is_kept_once_its_answers_come_within_a_round_trip():
+def test_past_the_long_round_trip_cap_a_size_is_kept_once_its_answers_come_within_a_round_trip(caplog):
     # the same source with each answer in one round trip (a window that holds 16 MiB, as the
     # latency proxy's 32 MiB): the sizer goes past 6 MiB one doubling at a time, each kept once
     # its answers came within the round trip, up to 128 ids (16 MiB, the engine's own limit)
     n = 12288
     src = Plain(Overhead("d", shared(n, 100_000), latency=0.1, cpu=0.003))
-    size, sizes = tuned_size(src, n, 4)
-    assert size == 128, f"{size} ids ({dict(sizes)}); the tuner said:\n{src.decisions}"
+    size, sizes = tuned_size(src, n, 4, caplog)
+    assert size == 128, src.said
     assert sizes[128] > 10, sizes
 
 
