@@ -39,6 +39,14 @@ class _RequestSizer:
     a request's first and last sample over ``REQUESTS`` answers must be under ``WINDOW_SHARE`` of
     the round trip (where this process's own handling spreads answers that far, it errs towards
     the limit). The sizes are checked one doubling at a time; a size that spreads goes back to half.
+
+    Over a long round trip (``link_fits``: ``Link.link_fits`` is not None) nothing is measured:
+    the window holds a round trip's bytes whatever the size, so a larger request waits no longer
+    and costs less (its fixed cost spread over more samples). From the first answers the size
+    doubles, up to the most the budget allows (``wide``), as soon as ``Link.MIN_START`` requests
+    of the new size fit ``Link.GAIN`` x the bandwidth-delay product measured so far (while the
+    window's start-up is on, that grows; once it is over, a size that does not fit ends the
+    climb); a size past the long-link limit is kept as above, once its answers came within one.
     """
 
     SAVING = 0.05
@@ -49,8 +57,15 @@ class _RequestSizer:
     WINDOW_SHARE = 0.5
 
     def __init__(self, size: int, cap: Callable[[], int], wide: Callable[[], int],
-                 rtt: Callable[[], float | None], server: Callable[[], tuple[float, int]] | None = None) -> None:
+                 rtt: Callable[[], float | None], server: Callable[[], tuple[float, int]] | None = None,
+                 link_fits: Callable[[], int | None] | None = None) -> None:
         self.size = size
+        #: over a long round trip, the most ids of which MIN_START requests fit the link now; None:
+        #: a short round trip or not known yet (``link_fits`` None: never climb unmeasured)
+        self._fits = link_fits
+        self._climbing, self._first = False, size
+        self._again = False  # a size spread during the start-up: tried again once, after it
+        self._began = False  # measuring or climbing: the choice between the two is made
         #: the server's CPU seconds and samples answered so far, as it tells them (None: it does not)
         self._server = server
         self._cap = cap  # the most ids per request now (Link._size_cap), asked when deciding
@@ -68,20 +83,30 @@ class _RequestSizer:
         self._before: tuple[float, float | None, float] | None = None  # (CPU here, at the server, rate) at n/2
 
     def answered(self, size: int, samples: int, window: float,
-                 spread: float | None = None) -> tuple[int, str] | None:
+                 spread: float | None = None, *, filled: bool = True) -> tuple[int, str] | None:
         """A request of ``size`` ids came back with ``samples``, its last sample ``spread``
-        seconds after its first: a new size and why, or None."""
+        seconds after its first, the window's start-up over (``filled``) or not: a new size and
+        why, or None. Measured only once it is over (a growing window costs CPU of its own)."""
         if self.done or size != self.size:
             return None
+        if not self._began:
+            if self._fits is not None and self._fits() is not None:
+                self._began = self._climbing = True
+                self._target, self.settle = self._top(), 0  # nothing measured: no answers to let pass
+            elif not filled:
+                return None
         if self.settle > 0:
             self.settle -= 1
             return None
         whole = samples >= size  # a short request (an epoch's tail) says nothing of a window
         if whole and spread is not None and spread < self._spread:
             self._spread = spread
+        if self._climbing:
+            return self._climb(filled) if whole else None
         if self._target:
             return self._check() if whole else None
         if self._cpu0 is None:
+            self._began = True
             self._cpu0, self._t0, self._server0 = time.process_time(), time.monotonic(), self._told()
             return None
         self._samples += samples
@@ -156,14 +181,59 @@ class _RequestSizer:
         capped = "; the byte budget allows no more" if size * 2 > wide and size < best else ""
         return size, f"{model}, so {size} ids{capped}"
 
+    def _top(self) -> int:
+        """The largest power-of-two multiple of this size the byte budget allows (``wide``)."""
+        top = self.size
+        while top * 2 <= self._wide():
+            top *= 2
+        return top
+
+    def _climb(self, filled: bool) -> tuple[int, str] | None:
+        """A long round trip, after a whole answer: a size past the long-link limit is checked as
+        ``_check`` does (back to half if it spreads); then the size doubles once ``MIN_START``
+        requests of twice it fit the link (the climb is over once the window's start-up is over
+        and they do not)."""
+        n, rtt = self.size, f"a {(self._rtt() or 0.0) * 1e3:.0f} ms round trip"
+        if self._again and not filled:
+            return None
+        if n > max(self._cap(), self._first):
+            held = self._came()
+            if held is None:
+                return None
+            if not held and not filled and not self._again:  # the start-up's bursts may be what spread it
+                self._again = True
+                return self._resize(n // 2, 0, f"{self._spread_out(n, n // 2)}, again once the window's start-up "
+                                               "is over (its bursts keep this process busy)")
+            if not held:
+                self.done, self._climbing, self.size = True, False, n // 2
+                return n // 2, self._spread_out(n, n // 2)
+        came = (f"{n} ids came within the round trip (first to last sample {self._spread * 1e3:.0f} ms, {rtt})"
+                if n > max(self._cap(), self._first) else rtt)
+        if n * 2 > self._target:
+            self.done, self._climbing = True, False
+            return n, f"{came}: {n} ids, the most the byte budget allows"
+        if (self._fits() or 0) >= n * 2:
+            if n == self._first:
+                why = (f"{rtt}: a larger request waits no longer (the window holds the round trip's bytes) and costs "
+                       f"less, so up to {self._target} ids, doubling as the link's bandwidth-delay product holds "
+                       "several of the next")
+            else:
+                why = f"{came}: the link holds several requests of {n * 2} ids"
+            beyond = " (past the long round trip's limit: kept if it comes within one)" if n * 2 > self._cap() else ""
+            return self._resize(n * 2, 0, f"{why}: trying {n * 2}{beyond}")
+        if not filled:
+            return None  # the window's start-up is on: the rate measured so far still grows
+        self.done, self._climbing = True, False
+        return n, f"{came}: {n} ids; the link's bandwidth-delay product does not hold several of {n * 2}"
+
     def _check(self) -> tuple[int, str] | None:
-        """Checking a size past the long-link limit: after ``REQUESTS`` answers, keep it (and go
-        on doubling towards the target) if they came within a round trip, else back to half."""
-        self._requests += 1
-        if self._requests < self.REQUESTS:
+        """Checking a size past the long-link limit: keep it (and go on doubling towards the
+        target) once an answer came within a round trip, back to half after ``REQUESTS`` did not."""
+        held = self._came()
+        if held is None:
             return None
         n = self.size
-        if not self._holds():
+        if not held:
             self.done, self._target, self.size = True, 0, n // 2
             return n // 2, self._spread_out(n, n // 2)
         came = (f"{n} ids came within the round trip (first to last sample {self._spread * 1e3:.0f} ms, "
@@ -172,6 +242,15 @@ class _RequestSizer:
             return self._resize(n * 2, 0, f"{came}: trying {n * 2}")
         self.done, self._target = True, 0
         return n, f"{came}: {n} ids"
+
+    def _came(self) -> bool | None:
+        """After a whole answer at a size past the long-link limit: True once the least spread
+        holds (``_holds``: one answer within the round trip is enough, a window that does not hold
+        the answer delivers none so), False after ``REQUESTS`` answers none of which did, else None."""
+        self._requests += 1
+        if self._holds():
+            return True
+        return False if self._requests >= self.REQUESTS else None
 
     def _told(self) -> tuple[float, int] | None:
         """The server's CPU seconds and samples answered so far, where the source tells them."""

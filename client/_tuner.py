@@ -174,7 +174,7 @@ class Link:
             # small first: the first batch spread over about eight requests in flight together
             self.request_size = max(4, min(preferred, -(-batch_size // 8)))
             self.sizer = _RequestSizer(self.request_size, self._size_cap, lambda: self._size_cap(False),
-                                       self.link_round_trip, server_work)
+                                       self.link_round_trip, server_work, self.link_fits)
         if p.initial_inflight is not None:
             self.window = float(p.initial_inflight)
         elif self.tuned:
@@ -227,6 +227,20 @@ class Link:
         header: a busy server's latency is not a link's), else the lowest first-answer latency."""
         told = self._link_rtt() if self._link_rtt is not None else None
         return told if told is not None else self.min_first
+
+    def link_fits(self) -> int | None:
+        """Over a long link (a round trip of ``SHORT_LINK_S`` or more): the most ids a request may
+        carry so that ``MIN_START`` of them fit ``GAIN`` x the bandwidth-delay product (0 before a
+        rate is measured). None over a short link, or before its round trip is known (where the
+        source measures it, ``link_rtt``, as it measures it: a first answer on a new connection
+        under load reads long at 0 ms)."""
+        told = self._link_rtt() if self._link_rtt is not None else None
+        if told is None and (self._link_rtt is not None or self.min_first is None):
+            return None
+        rtt = self.min_first if told is None else told
+        if rtt < self.SHORT_LINK_S:
+            return None
+        return int(self.GAIN * (self.bandwidth or 0.0) * rtt / (self.MIN_START * self.mean_bytes))
 
     def sending(self, now: float) -> None:
         """A request goes out at ``now``: the first starts the delivery-rate clock."""
@@ -387,9 +401,9 @@ class Link:
         straggler) only some, and shrinking the window would not shorten it.
         """
         p = self.prefetch
-        if self.sizer is not None and samples and not self.sizer.done and self.filled:
-            # measured once the window has stopped growing: a growing window costs CPU of its own
-            change = self.sizer.answered(size, samples, self.window, None if first is None else latency - first)
+        if self.sizer is not None and samples and not self.sizer.done:
+            change = self.sizer.answered(size, samples, self.window, None if first is None else latency - first,
+                                         filled=self.filled)
             if change is not None:
                 self._resize(*change)
         if not full:

@@ -133,29 +133,39 @@ class _Clock:
 
 
 def _sizes_chosen(monkeypatch, rate: dict[int, float], cpu_us: float = 40.0, wide: int = 1024,
-                  server_us: tuple[float, float] | None = None) -> list[str]:
+                  server_us: tuple[float, float] | None = None, *, rtt: float = 0.002,
+                  spread: dict[int, float] | None = None, start_up: int = 0, fits: int = 1 << 20,
+                  cap: int | None = None) -> list[str]:
     """The sizer's decisions (``Link`` logs them), answering requests of its size at ``rate[size]``
     samples a second and ``cpu_us`` of CPU a sample, from 32 ids until it is done; ``server_us``:
-    the server's CPU a request and a sample, told as ``HttpSource.server_work`` tells it."""
+    the server's CPU a request and a sample, told as ``HttpSource.server_work`` tells it; ``rtt``:
+    the link's round trip (long from ``Link.SHORT_LINK_S``); ``spread``: seconds from an answer's
+    first sample to its last, by size (0 unless given); ``start_up``: answers before the window's
+    start-up is over;
+    ``fits``: over a long round trip, the most ids of which several requests fit the link;
+    ``cap``: the long-link limit (``wide`` unless given)."""
     import dataferry.client._sizer as sizer_module
 
     clock = _Clock()
     monkeypatch.setattr(sizer_module, "time", clock)
     work = [0.0, 0]
     server = None if server_us is None else (lambda: (work[0], work[1]))
-    sizer = sizer_module._RequestSizer(32, lambda: wide, lambda: wide, lambda: 0.002, server)
+    sizer = sizer_module._RequestSizer(32, lambda: cap or wide, lambda: wide, lambda: rtt, server,
+                                       lambda: fits if rtt >= Link.SHORT_LINK_S else None)
     why = []
-    while not sizer.done:
+    for answers in range(100_000):
+        if sizer.done:
+            return why
         n = sizer.size
         clock.wall += n / rate[n]
         clock.cpu += n * cpu_us * 1e-6
         if server_us is not None:
             work[0] += (server_us[0] + n * server_us[1]) * 1e-6
             work[1] += n
-        change = sizer.answered(n, n, 4.0)
+        change = sizer.answered(n, n, 4.0, (spread or {}).get(n, 0.0), filled=answers >= start_up)
         if change is not None:
             why.append(f"{change[0]}: {change[1]}")
-    return why
+    raise AssertionError(f"the sizer never decided: {why}")
 
 
 def test_the_request_size_climbs_while_larger_requests_deliver_more(monkeypatch):
@@ -186,6 +196,38 @@ def test_the_server_s_cost_per_request_that_it_tells_counts_in_the_request_size(
     assert "40.0 here, 122.5 at the server" in why[0] and "about 2000 us per request" in why[1], why
     why = _sizes_chosen(monkeypatch, rate)
     assert [w.split(":")[0] for w in why] == ["64", "64"] and "fewer requests for the server" in why[1], why
+
+
+def test_over_a_long_round_trip_sizes_climb_unmeasured_while_their_answers_come_within_it(monkeypatch):
+    # 100 ms: the window holds a round trip's bytes at any size, so a larger request waits no
+    # longer; it is not measured (the rate here would say 64 ids are slower), only checked for
+    # spread past the long-link limit (32 here), from the first answers, in the window's start-up
+    rate = {32: 10_000.0, 64: 8_000.0, 128: 8_000.0, 256: 8_000.0}
+    never = 10**9
+    why = _sizes_chosen(monkeypatch, rate, wide=256, rtt=0.1, start_up=never, cap=32)
+    assert [w.split(":")[0] for w in why] == ["64", "128", "256", "256"], why
+    assert "a 100 ms round trip" in why[0] and "up to 256 ids" in why[0] and "trying 64" in why[0], why
+    assert "64 ids came within the round trip" in why[1], why
+    assert why[3].endswith("256 ids came within the round trip (first to last sample 0 ms, a 100 ms round trip): "
+                           "256 ids, the most the byte budget allows"), why
+    assert not any("samples/s" in w for w in why), why  # nothing measured
+    # a link that carries 128 ids over two round trips (a 6 MiB TCP window): back to 64, tried
+    # again once the window's start-up is over (its bursts may have spread them), then done at 64
+    why = _sizes_chosen(monkeypatch, rate, wide=256, rtt=0.1, spread={128: 0.15}, start_up=40, cap=32)
+    assert [w.split(":")[0] for w in why] == ["64", "128", "64", "128", "64"], why
+    assert "spread 150 ms from first to last sample over a 100 ms round trip" in why[2], why
+    assert "again once the window's start-up is over" in why[2] and why[4].endswith("back to 64"), why
+    # the link's bandwidth-delay product holds several requests of 64 ids, not of 128: in the
+    # start-up the climb waits for the rate to grow; once it is over, 64 it is
+    why = _sizes_chosen(monkeypatch, rate, wide=256, rtt=0.1, fits=100, start_up=20)
+    assert [w.split(":")[0] for w in why] == ["64", "64"], why
+    assert why[1].endswith("64 ids; the link's bandwidth-delay product does not hold several of 128"), why
+    # the budget allows no more than the first size: said once, nothing tried
+    why = _sizes_chosen(monkeypatch, rate, wide=32, rtt=0.1, start_up=never)
+    assert why == ["32: a 100 ms round trip: 32 ids, the most the byte budget allows"], why
+    # a short link waits for the window's start-up to end, then measures: 64 ids were slower
+    why = _sizes_chosen(monkeypatch, rate, wide=256, rtt=0.002, start_up=50)
+    assert [w.split(":")[0] for w in why] == ["64", "32"] and "slower and no cheaper" in why[1], why
 
 
 def test_explicit_options_turn_the_tuner_off(caplog):

@@ -46,9 +46,9 @@ def tuned_size(src: MemorySource, n: int, epochs: int, caplog) -> tuple[int, Cou
 
 def test_a_source_without_a_per_request_byte_limit_gets_larger_requests_over_a_long_round_trip(caplog):
     # 20 ms a request (a long round trip: the HTTP path caps a request at 6 MiB there, one TCP
-    # window), 100 kB samples, 1 ms of CPU a request: the sizer wants requests as large as allowed.
-    # MemorySource has no connection: only the engine's own 16 MiB a request applies (128 ids),
-    # not 6 MiB (32 ids)
+    # window; 1 ms of CPU a request keeps the first answer past 20 ms), 100 kB samples: the sizer
+    # climbs to requests as large as allowed. MemorySource has no connection: only the engine's
+    # own 16 MiB a request applies (128 ids), not 6 MiB (32 ids)
     n = 12288
     src = Overhead("d", shared(n, 100_000), latency=0.02, cpu=0.001)
     size, sizes = tuned_size(src, n, 2, caplog)
@@ -78,29 +78,37 @@ class Plain:
 
 
 # 100 ms: a round trip well above this process's own spread of an answer (0-41 ms here, loaded);
-# 3 ms of the engine thread's CPU a request, so that the sizer wants the largest requests allowed
-# whatever the load (at 1 ms its model read 0.1-1.1 ms a request at 100 ms, and kept 16-32 ids)
+# no CPU a request: over a long round trip the sizes climb unmeasured, checked for spread only
 def test_a_source_that_says_nothing_keeps_the_long_round_trip_cap_where_a_window_holds_less(caplog):
-    # no max_request_bytes attribute (HttpSource, a store): 6 MiB a request over a long round trip,
-    # 62 ids of 100 kB, so 32 in powers of two from batch / 8. Past it, 64 ids spread over a
-    # second round trip through a 6 MiB window: back to 32
+    # no max_request_bytes attribute (HttpSource, a store): 6 MiB is one TCP window here. From 8
+    # ids (batch / 8) the sizes climb while their answers come within the round trip; 64 ids of
+    # 100 kB spread over a second round trip through a 6 MiB window: back to 32, again once the
+    # window's start-up is over (its bursts could have spread them), and back to 32 for good
     n = 12288
-    src = Plain(Overhead("d", shared(n, 100_000), latency=0.1, cpu=0.003), window=6 << 20)
+    src = Plain(Overhead("d", shared(n, 100_000), latency=0.1, cpu=0.0), window=6 << 20)
     assert not hasattr(src, "max_request_bytes")
-    size, sizes = tuned_size(src, n, 4, caplog)
+    size, sizes = tuned_size(src, n, 8, caplog)
     assert size == 32, src.said
-    assert max(sizes) <= 64 and sizes[64] < 60, sizes
+    sized = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request size ")]
+    assert src.said.count("64 ids spread") == 2 and sized[-1].endswith("back to 32"), src.said
+    assert max(sizes) <= 64 and sizes[64] < sizes[32] / 4, sizes
 
 
 def test_past_the_long_round_trip_cap_a_size_is_kept_once_its_answers_come_within_a_round_trip(caplog):
     # the same source with each answer in one round trip (a window that holds 16 MiB, as the
     # latency proxy's 32 MiB): the sizer goes past 6 MiB one doubling at a time, each kept once
-    # its answers came within the round trip, up to 128 ids (16 MiB, the engine's own limit)
+    # its answers came within the round trip, up to 128 ids (16 MiB, the engine's own limit),
+    # during the window's start-up and without measuring a rate
     n = 12288
-    src = Plain(Overhead("d", shared(n, 100_000), latency=0.1, cpu=0.003))
+    src = Plain(Overhead("d", shared(n, 100_000), latency=0.1, cpu=0.0))
     size, sizes = tuned_size(src, n, 4, caplog)
     assert size == 128, src.said
     assert sizes[128] > 10, sizes
+    said = [r.getMessage() for r in caplog.records if r.name == TUNE_LOG]
+    kept = [i for i, line in enumerate(said) if line.startswith("request size 128:") and "128 ids, the most" in line]
+    filled = [i for i, line in enumerate(said) if line.startswith("delivery rate levelled off")]
+    assert kept and (not filled or kept[0] < filled[0]), src.said
+    assert not [line for line in said if "samples/s at" in line], src.said
 
 
 class Generations(MemorySource):
