@@ -1,8 +1,9 @@
 """The request sizer: :class:`_RequestSizer` picks the ids per request (``Prefetch(tune=True)``
 and no ``request_size``) for samples delivered per wall second at the least CPU, once per
-loader; over a long round trip, a size past what one TCP window usually carries is kept only
-once its answers were seen to come within one round trip. ``_tuner.Link`` feeds it each whole
-request's answer and applies what it decides. The rules: client/README.md (Window).
+loader: measured over a short round trip; over a long one, climbing unmeasured from the first
+answers as the link holds larger requests, a size past what one TCP window usually carries
+kept only once its answers were seen to come within one round trip. ``_tuner.Link`` feeds it
+each request's answer and applies what it decides. The rules: client/README.md (Window).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ class _RequestSizer:
 
     A request has a fixed cost ``o`` (a task, a POST and its headers, a response to open; the
     server's work per request) and a cost per sample ``c``. It starts small, so the first batch
-    is spread over several requests in flight; once the pipe is full, the samples answered per
-    wall second and the CPU per sample are measured at that size ``n`` and at ``2n``: this
+    is spread over several requests in flight; over a short round trip, once the pipe is full,
+    the samples answered per wall second and the CPU per sample are measured at that size ``n``
+    and at ``2n``: this
     process's (every thread: the engine's, the consumer's, decoding) and, where the source tells
     it (``server``: ``HttpSource.server_work``, from the service's ``Dataferry-Work`` header), the
     server's per sample it answered meanwhile (other clients' requests too, where it has them).
@@ -91,8 +93,7 @@ class _RequestSizer:
             return None
         if not self._began:
             if self._fits is not None and self._fits() is not None:
-                self._began = self._climbing = True
-                self._target, self.settle = self._top(), 0  # nothing measured: no answers to let pass
+                self._began, self._climbing, self.settle = True, True, 0  # nothing measured: nothing to let pass
             elif not filled:
                 return None
         if self.settle > 0:
@@ -209,13 +210,13 @@ class _RequestSizer:
                 return n // 2, self._spread_out(n, n // 2)
         came = (f"{n} ids came within the round trip (first to last sample {self._spread * 1e3:.0f} ms, {rtt})"
                 if n > max(self._cap(), self._first) else rtt)
-        if n * 2 > self._target:
+        if n * 2 > self._wide():
             self.done, self._climbing = True, False
             return n, f"{came}: {n} ids, the most the byte budget allows"
         if (self._fits() or 0) >= n * 2:
             if n == self._first:
                 why = (f"{rtt}: a larger request waits no longer (the window holds the round trip's bytes) and costs "
-                       f"less, so up to {self._target} ids, doubling as the link's bandwidth-delay product holds "
+                       f"less, so up to {self._top()} ids, doubling as the link's bandwidth-delay product holds "
                        "several of the next")
             else:
                 why = f"{came}: the link holds several requests of {n * 2} ids"

@@ -144,6 +144,7 @@ class Link:
         #: the most bytes a request carries over a long round trip (None: no limit of the source's own)
         self.wan_request_bytes: int | None = self.WAN_REQUEST_BYTES
         self.started = False
+        self._start_samples = 0.0  # tuned: the start window's samples (``_start_floor``)
         self._link_rtt: Callable[[], float | None] | None = None
         self._logged: dict[str, float] = {}
 
@@ -181,6 +182,7 @@ class Link:
             # enough requests that the first round trip fills the first batch
             first = max(self.MIN_START, -(-batch_size // self.request_size))
             self.window = float(max(1, min(first, self._cap())))
+            self._start_samples = self.window * self.request_size
         else:
             self.window = 2.0
         self._log("start", f"window starts at {self.window:g} requests of {self.request_size} ids")
@@ -216,6 +218,12 @@ class Link:
         bdp = self.bandwidth * self.min_latency / (self.request_size * self.mean_bytes)
         gain = self.GAIN if self.filled else self.STARTUP_GAIN
         return max(min(cap, self._floor()), min(cap, gain * bdp))
+
+    def _start_floor(self) -> float:
+        """Tuned, while the start-up is on, the window is not lowered below its start (in samples):
+        the first round trip's rate samples count the answers of part of the window only (BBR's
+        startup does not lower its window either)."""
+        return 0.0 if self.filled else self._start_samples / self.request_size
 
     def _floor(self) -> float:
         """The smallest tuned window: ``LOCAL_WINDOW`` over a short link, else ``MIN_WINDOW``."""
@@ -440,8 +448,8 @@ class Link:
             self.window = max(min(floor, target), self.window - 0.5)
             self._note("queueing",
                        lambda: f"answers queue ({queued:.0f} requests' worth): window down to {self.window:.0f}")
-        elif self.window > target:
-            self.window = max(target, self.window - 1.0)
+        elif self.window > max(target, self._start_floor()):
+            self.window = max(target, self._start_floor(), self.window - 1.0)
             self._note("above", lambda: f"window down to {self.window:.0f}, towards {self._why(target)}")
         elif queued < low and self.window < target:
             # tuned, until the pipe is full: STARTUP_GAIN - 1 more per answer, so the window grows

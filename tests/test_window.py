@@ -99,6 +99,26 @@ def test_the_first_round_trip_carries_the_first_batch():
     assert src.started_before_first_answer >= 256 // size
 
 
+def test_in_the_start_up_the_window_is_not_lowered_below_its_start():
+    # the first answers' rate samples count part of the first window only (one answer of 8 over a
+    # 100 ms round trip reads 1/8 of the rate): the target they give is below the start, and the
+    # window waits for it rather than shrinking (as BBR's startup); once the start-up is over, it
+    # follows the target down
+    from dataferry.client import Hedge
+
+    link = Link(Prefetch(sample_bytes_hint=100_000), Hedge(enabled=False))
+    link.start(256, None)
+    assert (link.window, link.request_size) == (8.0, 32)
+    link.bandwidth, link.min_latency, link.min_first = 32 * 100_000 / 0.1, 0.1, 0.1  # one request a round trip
+    assert link.target() < 8
+    for _ in range(4):
+        link.answered(0.1, True, 32, 32, 8)
+    assert link.window == 8.0
+    link.filled = True
+    link.answered(0.1, True, 32, 32, 8)
+    assert link.window == 7.0
+
+
 def test_the_request_size_grows_when_requests_cost_cpu_and_each_decision_is_logged(caplog):
     # 1 ms of CPU per request against a few us per sample: bigger requests pay; the budget allows
     # up to 256 ids per request (max_bytes / (16 x 64 B))
