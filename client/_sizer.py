@@ -212,7 +212,7 @@ class _RequestSizer:
                 if n > max(self._cap(), self._first) else rtt)
         if n * 2 > self._wide():
             self.done, self._climbing = True, False
-            return n, f"{came}: {n} ids, the most the byte budget allows"
+            return n, f"{came}: {n} ids, the most a request may carry (1/16 of max_bytes, at most 16 MiB)"
         if (self._fits() or 0) >= n * 2:
             if n == self._first:
                 why = (f"{rtt}: a larger request waits no longer (the window holds the round trip's bytes) and costs "

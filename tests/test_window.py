@@ -229,7 +229,7 @@ def test_over_a_long_round_trip_sizes_climb_unmeasured_while_their_answers_come_
     assert "a 100 ms round trip" in why[0] and "up to 256 ids" in why[0] and "trying 64" in why[0], why
     assert "64 ids came within the round trip" in why[1], why
     assert why[3].endswith("256 ids came within the round trip (first to last sample 0 ms, a 100 ms round trip): "
-                           "256 ids, the most the byte budget allows"), why
+                           "256 ids, the most a request may carry (1/16 of max_bytes, at most 16 MiB)"), why
     assert not any("samples/s" in w for w in why), why  # nothing measured
     # a link that carries 128 ids over two round trips (a 6 MiB TCP window): back to 64, tried
     # again once the window's start-up is over (its bursts may have spread them), then done at 64
@@ -244,7 +244,8 @@ def test_over_a_long_round_trip_sizes_climb_unmeasured_while_their_answers_come_
     assert why[1].endswith("64 ids; the link's bandwidth-delay product does not hold several of 128"), why
     # the budget allows no more than the first size: said once, nothing tried
     why = _sizes_chosen(monkeypatch, rate, wide=32, rtt=0.1, start_up=never)
-    assert why == ["32: a 100 ms round trip: 32 ids, the most the byte budget allows"], why
+    assert why == ["32: a 100 ms round trip: 32 ids, the most a request may carry (1/16 of max_bytes, at most "
+                   "16 MiB)"], why
     # a short link waits for the window's start-up to end, then measures: 64 ids were slower
     why = _sizes_chosen(monkeypatch, rate, wide=256, rtt=0.002, start_up=50)
     assert [w.split(":")[0] for w in why] == ["64", "32"] and "slower and no cheaper" in why[1], why
