@@ -93,10 +93,10 @@ def test_the_first_round_trip_carries_the_first_batch():
     src = Recording("d", samples(1024, 512), latency=0.1)
     with Loader(src, "d", batch_size=256, hedge=NO_HEDGE) as loader:
         next(iter(loader))
-        size = loader._link.request_size
-    # the first batch was asked for before any answer came back, in requests of batch/8 ids
-    assert size == 32
-    assert src.started_before_first_answer >= 256 // size
+    # the first batch was asked for before any answer came back, in requests of batch/8 ids (over
+    # this long round trip the size may climb from the first answers on, before the batch is taken)
+    assert src.started_before_first_answer >= 256 // 32
+    assert src.sizes[32] >= 256 // 32, src.sizes
 
 
 def test_in_the_start_up_the_window_is_not_lowered_below_its_start():
