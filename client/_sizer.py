@@ -91,6 +91,10 @@ class _RequestSizer:
         why, or None. Measured only once it is over (a growing window costs CPU of its own)."""
         if self.done or size != self.size:
             return None
+        if self._climbing and self._fits() is None:  # the first readings were long (under load): it is short
+            self._began = self._climbing = self._again = False
+            self._fits, self._requests, self._spread, self.settle = None, 0, float("inf"), 32
+            return size, f"the link's round trip is {(self._rtt() or 0.0) * 1e3:.1f} ms after all: measured instead"
         if not self._began:
             if self._fits is not None and self._fits() is not None:
                 self._began, self._climbing, self.settle = True, True, 0  # nothing measured: nothing to let pass
@@ -190,14 +194,17 @@ class _RequestSizer:
         return top
 
     def _climb(self, filled: bool) -> tuple[int, str] | None:
-        """A long round trip, after a whole answer: a size past the long-link limit is checked as
-        ``_check`` does (back to half if it spreads); then the size doubles once ``MIN_START``
+        """A long round trip, after a whole answer: a size past the long-link limit, or any size
+        climbed to where there is such a limit (a connection: its TCP window may hold less than
+        the limit's 6 MiB, as a 4 MiB send buffer), is checked as ``_check`` does (back to half if
+        it spreads); then the size doubles once ``MIN_START``
         requests of twice it fit the link (the climb is over once the window's start-up is over
         and they do not)."""
         n, rtt = self.size, f"a {(self._rtt() or 0.0) * 1e3:.0f} ms round trip"
         if self._again and not filled:
             return None
-        if n > max(self._cap(), self._first):
+        checked = self._checks(n)
+        if checked:
             held = self._came()
             if held is None:
                 return None
@@ -209,7 +216,7 @@ class _RequestSizer:
                 self.done, self._climbing, self.size = True, False, n // 2
                 return n // 2, self._spread_out(n, n // 2)
         came = (f"{n} ids came within the round trip (first to last sample {self._spread * 1e3:.0f} ms, {rtt})"
-                if n > max(self._cap(), self._first) else rtt)
+                if checked else rtt)
         if n * 2 > self._wide():
             self.done, self._climbing = True, False
             return n, f"{came}: {n} ids, the most a request may carry (1/16 of max_bytes, at most 16 MiB)"
@@ -220,12 +227,17 @@ class _RequestSizer:
                        "several of the next")
             else:
                 why = f"{came}: the link holds several requests of {n * 2} ids"
-            beyond = " (past the long round trip's limit: kept if it comes within one)" if n * 2 > self._cap() else ""
-            return self._resize(n * 2, 0, f"{why}: trying {n * 2}{beyond}")
+            kept = " (kept if it comes within the round trip)" if self._checks(n * 2) else ""
+            return self._resize(n * 2, 0, f"{why}: trying {n * 2}{kept}")
         if not filled:
             return None  # the window's start-up is on: the rate measured so far still grows
         self.done, self._climbing = True, False
         return n, f"{came}: {n} ids; the link's bandwidth-delay product does not hold several of {n * 2}"
+
+    def _checks(self, size: int) -> bool:
+        """Climbing, whether ``size`` is kept only once an answer came within the round trip: past
+        the long-link limit, or any size climbed to where there is one (a connection)."""
+        return size > self._first and (size > self._cap() or self._cap() < self._wide())
 
     def _check(self) -> tuple[int, str] | None:
         """Checking a size past the long-link limit: keep it (and go on doubling towards the

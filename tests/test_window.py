@@ -155,7 +155,7 @@ class _Clock:
 def _sizes_chosen(monkeypatch, rate: dict[int, float], cpu_us: float = 40.0, wide: int = 1024,
                   server_us: tuple[float, float] | None = None, *, rtt: float = 0.002,
                   spread: dict[int, float] | None = None, start_up: int = 0, fits: int = 1 << 20,
-                  cap: int | None = None) -> list[str]:
+                  cap: int | None = None, short_after: int = 0) -> list[str]:
     """The sizer's decisions (``Link`` logs them), answering requests of its size at ``rate[size]``
     samples a second and ``cpu_us`` of CPU a sample, from 32 ids until it is done; ``server_us``:
     the server's CPU a request and a sample, told as ``HttpSource.server_work`` tells it; ``rtt``:
@@ -163,15 +163,21 @@ def _sizes_chosen(monkeypatch, rate: dict[int, float], cpu_us: float = 40.0, wid
     first sample to its last, by size (0 unless given); ``start_up``: answers before the window's
     start-up is over;
     ``fits``: over a long round trip, the most ids of which several requests fit the link;
-    ``cap``: the long-link limit (``wide`` unless given)."""
+    ``cap``: the long-link limit (``wide`` unless given); ``short_after``: answers after which the
+    round trip reads 2 ms (0: never)."""
     import dataferry.client._sizer as sizer_module
 
     clock = _Clock()
     monkeypatch.setattr(sizer_module, "time", clock)
     work = [0.0, 0]
     server = None if server_us is None else (lambda: (work[0], work[1]))
-    sizer = sizer_module._RequestSizer(32, lambda: cap or wide, lambda: wide, lambda: rtt, server,
-                                       lambda: fits if rtt >= Link.SHORT_LINK_S else None)
+    answers = 0
+
+    def now_rtt() -> float:
+        return 0.002 if short_after and answers >= short_after else rtt
+
+    sizer = sizer_module._RequestSizer(32, lambda: cap or wide, lambda: wide, now_rtt, server,
+                                       lambda: fits if now_rtt() >= Link.SHORT_LINK_S else None)
     why = []
     for answers in range(100_000):
         if sizer.done:
@@ -237,6 +243,14 @@ def test_over_a_long_round_trip_sizes_climb_unmeasured_while_their_answers_come_
     assert [w.split(":")[0] for w in why] == ["64", "128", "64", "128", "64"], why
     assert "spread 150 ms from first to last sample over a 100 ms round trip" in why[2], why
     assert "again once the window's start-up is over" in why[2] and why[4].endswith("back to 64"), why
+    # over a connection (a long-link limit, 128 ids here) every size climbed to is checked: a TCP
+    # window may hold less than the limit (a 4 MiB send buffer, 64 ids of 110 kB)
+    why = _sizes_chosen(monkeypatch, rate, wide=256, rtt=0.1, spread={64: 0.15}, start_up=20, cap=128)
+    assert [w.split(":")[0] for w in why] == ["64", "32", "64", "32"], why
+    assert "(kept if it comes within the round trip)" in why[0] and why[3].endswith("back to 32"), why
+    # no such limit (MemorySource: no connection): nothing to check, the climb goes on
+    why = _sizes_chosen(monkeypatch, rate, wide=256, rtt=0.1, spread={64: 0.15}, start_up=20)
+    assert [w.split(":")[0] for w in why] == ["64", "128", "256", "256"], why
     # the link's bandwidth-delay product holds several requests of 64 ids, not of 128: in the
     # start-up the climb waits for the rate to grow; once it is over, 64 it is
     why = _sizes_chosen(monkeypatch, rate, wide=256, rtt=0.1, fits=100, start_up=20)
@@ -249,6 +263,12 @@ def test_over_a_long_round_trip_sizes_climb_unmeasured_while_their_answers_come_
     # a short link waits for the window's start-up to end, then measures: 64 ids were slower
     why = _sizes_chosen(monkeypatch, rate, wide=256, rtt=0.002, start_up=50)
     assert [w.split(":")[0] for w in why] == ["64", "32"] and "slower and no cheaper" in why[1], why
+    # a link whose first readings were long (a loaded machine at 0 ms) and then short: the climb
+    # stops where it is and that size is measured against twice it (as fast: the larger kept)
+    why = _sizes_chosen(monkeypatch, rate, wide=256, rtt=0.1, start_up=50, cap=32, short_after=2)
+    assert [w.split(":")[0] for w in why] == ["64", "128", "128", "256", "256"], why
+    assert why[2] == "128: the link's round trip is 2.0 ms after all: measured instead", why
+    assert "128 ids per request: 8,000 samples/s" in why[3] and "as fast or faster" in why[4], why
 
 
 def test_explicit_options_turn_the_tuner_off(caplog):
