@@ -48,7 +48,10 @@ class _RequestSizer:
     doubles, up to the most the budget allows (``wide``), as soon as ``Link.MIN_START`` requests
     of the new size fit ``Link.GAIN`` x the bandwidth-delay product measured so far (while the
     window's start-up is on, that grows; once it is over, a size that does not fit ends the
-    climb); a size past the long-link limit is kept as above, once its answers came within one.
+    climb). Where there is a long-link limit (a connection) every size climbed to is kept as
+    above, once an answer came within the round trip (one is proof). A round trip that turns out
+    short (``link_fits`` None later: first readings under load) ends the climb: that size is
+    measured as over any short round trip.
     """
 
     SAVING = 0.05
