@@ -203,10 +203,17 @@ class _RequestSizer:
         it spreads); then the size doubles once ``MIN_START``
         requests of twice it fit the link (the climb is over once the window's start-up is over
         and they do not)."""
-        n, rtt = self.size, f"a {(self._rtt() or 0.0) * 1e3:.0f} ms round trip"
+        n = self.size
         if self._again and not filled:
             return None
         checked = self._checks(n)
+
+        def came() -> str:  # what the log says of this size (formatted only when a decision is logged)
+            rtt = f"a {(self._rtt() or 0.0) * 1e3:.0f} ms round trip"
+            if not checked:
+                return rtt
+            return f"{n} ids came within the round trip (first to last sample {self._spread * 1e3:.0f} ms, {rtt})"
+
         if checked:
             held = self._came()
             if held is None:
@@ -218,24 +225,22 @@ class _RequestSizer:
             if not held:
                 self.done, self._climbing, self.size = True, False, n // 2
                 return n // 2, self._spread_out(n, n // 2)
-        came = (f"{n} ids came within the round trip (first to last sample {self._spread * 1e3:.0f} ms, {rtt})"
-                if checked else rtt)
         if n * 2 > self._wide():
             self.done, self._climbing = True, False
-            return n, f"{came}: {n} ids, the most a request may carry (1/16 of max_bytes, at most 16 MiB)"
+            return n, f"{came()}: {n} ids, the most a request may carry (1/16 of max_bytes, at most 16 MiB)"
         if (self._fits() or 0) >= n * 2:
             if n == self._first:
-                why = (f"{rtt}: a larger request waits no longer (the window holds the round trip's bytes) and costs "
-                       f"less, so up to {self._top()} ids, doubling as the link's bandwidth-delay product holds "
+                why = (f"{came()}: a larger request waits no longer (the window holds the round trip's bytes) and "
+                       f"costs less, so up to {self._top()} ids, doubling as the link's bandwidth-delay product holds "
                        "several of the next")
             else:
-                why = f"{came}: the link holds several requests of {n * 2} ids"
+                why = f"{came()}: the link holds several requests of {n * 2} ids"
             kept = " (kept if it comes within the round trip)" if self._checks(n * 2) else ""
             return self._resize(n * 2, 0, f"{why}: trying {n * 2}{kept}")
         if not filled:
             return None  # the window's start-up is on: the rate measured so far still grows
         self.done, self._climbing = True, False
-        return n, f"{came}: {n} ids; the link's bandwidth-delay product does not hold several of {n * 2}"
+        return n, f"{came()}: {n} ids; the link's bandwidth-delay product does not hold several of {n * 2}"
 
     def _checks(self, size: int) -> bool:
         """Climbing, whether ``size`` is kept only once an answer came within the round trip: past
@@ -260,7 +265,7 @@ class _RequestSizer:
         return n, f"{came}: {n} ids"
 
     def _came(self) -> bool | None:
-        """After a whole answer at a size past the long-link limit: True once the least spread
+        """After a whole answer at a size being checked (``_check``, ``_checks``): True once the least spread
         holds (``_holds``: one answer within the round trip is enough, a window that does not hold
         the answer delivers none so), False after ``REQUESTS`` answers none of which did, else None."""
         self._requests += 1

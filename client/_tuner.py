@@ -236,19 +236,23 @@ class Link:
         told = self._link_rtt() if self._link_rtt is not None else None
         return told if told is not None else self.min_first
 
+    def _evidenced_rtt(self) -> float | None:
+        """The link's round trip as the source measures it where it does (None until it has: a
+        first answer on a new connection under load reads long at 0 ms), else ``min_first``."""
+        return self._link_rtt() if self._link_rtt is not None else self.min_first
+
+    def _ids_fit(self, rtt: float) -> float:
+        """The most ids a request may carry so that ``MIN_START`` of them fit ``GAIN`` x the
+        bandwidth-delay product over ``rtt`` (0 before a rate is measured)."""
+        return self.GAIN * (self.bandwidth or 0.0) * rtt / (self.MIN_START * self.mean_bytes)
+
     def link_fits(self) -> int | None:
-        """Over a long link (a round trip of ``SHORT_LINK_S`` or more): the most ids a request may
-        carry so that ``MIN_START`` of them fit ``GAIN`` x the bandwidth-delay product (0 before a
-        rate is measured). None over a short link, or before its round trip is known (where the
-        source measures it, ``link_rtt``, as it measures it: a first answer on a new connection
-        under load reads long at 0 ms)."""
-        told = self._link_rtt() if self._link_rtt is not None else None
-        if told is None and (self._link_rtt is not None or self.min_first is None):
+        """Over a long link (a round trip of ``SHORT_LINK_S`` or more): ``_ids_fit``, whole. None
+        over a short link, or before its round trip is known (``_evidenced_rtt``)."""
+        rtt = self._evidenced_rtt()
+        if rtt is None or rtt < self.SHORT_LINK_S:
             return None
-        rtt = self.min_first if told is None else told
-        if rtt < self.SHORT_LINK_S:
-            return None
-        return int(self.GAIN * (self.bandwidth or 0.0) * rtt / (self.MIN_START * self.mean_bytes))
+        return int(self._ids_fit(rtt))
 
     def sending(self, now: float) -> None:
         """A request goes out at ``now``: the first starts the delivery-rate clock."""
@@ -334,12 +338,12 @@ class Link:
                                    f"{self.min_latency * 1e3:.0f} ms needs {need:,.0f} samples in flight, and the "
                                    f"source carries {self.concurrency} requests at once")
                 return
-        rtt = self.link_round_trip()
+        rtt = self._evidenced_rtt()
         if (self.sizer is None or self.busy is None or self.busy > self.LINK_BOUND or self.request_size <= 1
-                or rtt is None or rtt < self.SHORT_LINK_S or (self._link_rtt and self._link_rtt() is None)
+                or rtt is None or rtt < self.SHORT_LINK_S
                 or self.request_size * self.mean_bytes < self.bandwidth * rtt):
             return  # a short link; no evidence from the source yet; a request within a round trip
-        fits = self.GAIN * self.bandwidth * rtt / (self.MIN_START * self.mean_bytes)
+        fits = self._ids_fit(rtt)
         size = self.request_size
         while size > 1 and size > fits:
             size //= 2
@@ -448,8 +452,8 @@ class Link:
             self.window = max(min(floor, target), self.window - 0.5)
             self._note("queueing",
                        lambda: f"answers queue ({queued:.0f} requests' worth): window down to {self.window:.0f}")
-        elif self.window > max(target, self._start_floor()):
-            self.window = max(target, self._start_floor(), self.window - 1.0)
+        elif self.window > (least := max(target, self._start_floor())):
+            self.window = max(least, self.window - 1.0)
             self._note("above", lambda: f"window down to {self.window:.0f}, towards {self._why(target)}")
         elif queued < low and self.window < target:
             # tuned, until the pipe is full: STARTUP_GAIN - 1 more per answer, so the window grows

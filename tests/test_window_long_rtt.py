@@ -24,9 +24,10 @@ TUNE_LOG = "dataferry.client.tune"
 
 
 def tuned_size(src: MemorySource, n: int, epochs: int, caplog) -> tuple[int, Counter[int]]:
-    """The request size the tuner ends at, and the requests sent at each size. ``src.said``: both
-    and the tuner's log lines, timed, for a failing assertion to show (a string: pytest shows a
-    message string whole). The suite's own heap is frozen out of the garbage collector first: the
+    """The request size the tuner ends at, and the requests sent at each size. ``src.lines``: the
+    tuner's log lines; ``src.said``: size, sizes and those lines, timed, for a failing assertion to
+    show (a string: pytest shows a message string whole). The suite's own heap is frozen out of
+    the garbage collector first: the
     sizer measures this process's CPU per sample, and a full collection of a large heap in a
     measurement part is not the engine's cost."""
     gc.collect()
@@ -38,7 +39,9 @@ def tuned_size(src: MemorySource, n: int, epochs: int, caplog) -> tuple[int, Cou
             size = loader._link.request_size
     finally:
         gc.unfreeze()
-    said = "\n".join(f"{r.relativeCreated / 1e3:.2f}s {r.getMessage()}" for r in caplog.records if r.name == TUNE_LOG)
+    records = [r for r in caplog.records if r.name == TUNE_LOG]
+    src.lines = [r.getMessage() for r in records]
+    said = "\n".join(f"{r.relativeCreated / 1e3:.2f}s {line}" for r, line in zip(records, src.lines))
     src.said = f"{size} ids ({dict(src.sizes)}); the tuner said:\n{said}"
     assert Counter(got) == Counter({i: epochs for i in range(n)})
     return size, src.sizes
@@ -89,7 +92,7 @@ def test_a_source_that_says_nothing_keeps_the_long_round_trip_cap_where_a_window
     assert not hasattr(src, "max_request_bytes")
     size, sizes = tuned_size(src, n, 8, caplog)
     assert size == 32, src.said
-    sized = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request size ")]
+    sized = [line for line in src.lines if line.startswith("request size ")]
     assert src.said.count("64 ids spread") == 2 and sized[-1].endswith("back to 32"), src.said
     assert max(sizes) <= 64 and sizes[64] < sizes[32] / 4, sizes
 
@@ -104,7 +107,7 @@ def test_past_the_long_round_trip_cap_a_size_is_kept_once_its_answers_come_withi
     size, sizes = tuned_size(src, n, 4, caplog)
     assert size == 128, src.said
     assert sizes[128] > 10, sizes
-    said = [r.getMessage() for r in caplog.records if r.name == TUNE_LOG]
+    said = src.lines
     kept = [i for i, line in enumerate(said) if line.startswith("request size 128:") and "128 ids, the most a request may carry" in line]
     filled = [i for i, line in enumerate(said) if line.startswith("delivery rate levelled off")]
     assert kept and (not filled or kept[0] < filled[0]), src.said
