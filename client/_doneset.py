@@ -33,10 +33,8 @@ class DoneSet:
 
     def add(self, pos: int) -> bool:
         """Mark ``pos`` done; False if it already was."""
-        if pos < self.frontier:
-            return False
         done = self._done
-        if done[pos]:
+        if pos < self.frontier or done[pos]:
             return False
         done[pos] = 1
         self._count += 1
@@ -69,6 +67,21 @@ class DoneSet:
             f = self._done.find(0, f)
             self.frontier = self.n if f < 0 else f
         return added
+
+    def undone(self, start: int, k: int) -> tuple[list[int], int]:
+        """Up to ``k`` positions from ``start`` on that are not done, in order, and the position
+        after the last one looked at (where the next call starts); found at C speed."""
+        n, done = self.n, self._done
+        cur, out = max(start, self.frontier), []
+        while cur < n and len(out) < k:
+            f = done.find(0, cur)  # the next not done
+            if f < 0:
+                return out, n
+            e = done.find(1, f, min(n, f + k - len(out)))  # and the run of them that follows
+            e = min(n, f + k - len(out)) if e < 0 else e
+            out.extend(range(f, e))
+            cur = e
+        return out, max(cur, start)
 
     def __contains__(self, pos: int) -> bool:
         return pos < self.frontier or (pos < self.n and self._done[pos] == 1)

@@ -21,167 +21,23 @@ import itertools
 import logging
 import random
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-
-import numpy as np
+from collections.abc import Callable
 
 from dataferry.schema import CorruptSample, Sample, SampleNotFound, SampleSource, sample_checksum
 
 from ._doneset import DoneSet
+from ._epoch import _Epoch, _Req
 from ._options import ErrorPolicy, Hedge, Prefetch, Retry
 from ._plan import EpochPlan
 from ._recovery import Recovery
 from ._retry import Breaker, describe_source
 from ._stats import Counters
 from ._tuner import Link
-from ._types import Batch, EndOfEpoch
 
 __all__ = ["Run"]
 
 log = logging.getLogger("dataferry.client")
 _INF = float("inf")
-
-
-@dataclass(eq=False)
-class _Req:
-    epoch: _Epoch
-    #: id -> the position it fills: ints only, so the cyclic garbage collector does not track it
-    #: (with thousands of requests in flight, a container per id made each full collection walk
-    #: every id in flight: tens of ms a pause)
-    positions: dict[int, int]
-    start: float
-    attempt: int
-    reserved: int
-    per_sample: int = 0
-    size: int = 0  # the request size when it was sent: fewer ids make it short
-    sent_with: int = 0  # requests in flight (not hedges) when it was sent, itself included
-    first: float = 0.0  # when its first answer came
-    hedge: bool = False
-    twin: _Req | None = None
-    paired: bool = False  # a hedge, or hedged: its answers may repeat its twin's (``twin`` is cleared at its end)
-    deadline: float = float("inf")  # when to hedge it
-    task: asyncio.Task | None = None
-    answered: set[int] = field(default_factory=set)
-    #: id -> its further positions, for an id that fills several (a padded plan); usually None
-    extra: dict[int, tuple[int, ...]] | None = None
-    count: int = 0  # positions it fills
-    blind: bool = False  # sent before any sample's size was seen: reserved at the hint (``_top_up``)
-    timed_out: bool = False  # cancelled by the deadline sweep (Retry.timeout), not by a hedge
-    sent_delivered: int = 0  # ``Link.delivered`` when it was sent (its delivery-rate sample)
-
-    def all_positions(self) -> Iterable[int]:
-        """Every position this request fills."""
-        if self.extra is None:
-            return self.positions.values()
-        return itertools.chain(self.positions.values(), *self.extra.values())
-
-
-class _Epoch:
-    """One epoch: what is done, what is covered, its retries, and batch assembly.
-
-    Assembly (:meth:`deliver`, :meth:`finish`) puts finished batches in
-    ``outbox``; :class:`Run` hands them to the consumer once this epoch is
-    the current one. ``pending_bytes`` counts delivered bytes not yet handed
-    over (the batch being filled, in-order samples held back, the outbox).
-    """
-
-    def __init__(self, plan: EpochPlan, done: DoneSet | None, *, batch_size: int, in_order: bool) -> None:
-        self.plan = plan
-        self.n = len(plan)
-        self.batch_size, self.in_order = batch_size, in_order
-        self.completed = done.copy() if done is not None else DoneSet(self.n)
-        self.cursor = 0
-        self.cover: dict[int, int] = {}  # position -> requests covering it
-        self.attempts: dict[int, int] = {}  # position -> tries sent, for retried positions until they complete
-        self.first_fail: dict[int, float] = {}  # position -> when it first failed (until it completes)
-        self.retries: list[tuple[float, int, list[int], int]] = []  # heap of (due, seq, positions, attempt)
-        self.active = 0  # requests in flight for this epoch
-        self.reserved = 0  # bytes reserved for this epoch's requests in flight
-        self.batch: list[Sample] = []  # the batch being filled, and its samples' positions beside it
-        self.batch_pos: list[int] = []  # (two lists, not a tuple per sample: a tuple is one more object for the GC)
-        self.held: dict[int, Sample | None] = {}  # in-order mode: arrived, not yet released
-        self.release = self.completed.frontier  # in-order: next position to release
-        self.done_before = set(self.completed.beyond())  # delivered before a resume
-        self.skipped: list[int] = []
-        self.skipped_count = 0
-        self.pending_bytes = 0
-        self.outbox: list[Batch] = []  # finished batches not yet handed to the consumer
-        self.finished = False  # its end has been emitted
-
-    def fresh(self, k: int) -> list[int]:
-        """Up to ``k`` not-yet-sent positions, in plan order."""
-        out = []
-        cur = self.cursor
-        while cur < self.n and len(out) < k:
-            if cur not in self.completed:
-                out.append(cur)
-            cur += 1
-        self.cursor = cur
-        return out
-
-    def uncovered(self, positions: Iterable[int]) -> list[int]:
-        """Those of ``positions`` neither done nor covered by a request in flight."""
-        done, cover = self.completed, self.cover
-        return [p for p in positions if p not in done and not cover.get(p)]
-
-    # --- batch assembly ----------------------------------------------------------
-    def deliver(self, pos: int, sample: Sample | None, nbytes: int) -> None:
-        """Position ``pos`` is done: ``sample`` (None: skipped) of ``nbytes``."""
-        self.pending_bytes += nbytes
-        if not self.in_order:
-            self._take(pos, sample)
-            return
-        self.held[pos] = sample
-        while True:
-            if self.release in self.held:
-                self._take(self.release, self.held.pop(self.release))
-            elif self.release not in self.done_before:
-                break
-            self.release += 1
-
-    def _take(self, pos: int, sample: Sample | None) -> None:
-        if sample is None:
-            self.skipped.append(pos)
-            return
-        self.batch.append(sample)
-        self.batch_pos.append(pos)
-        if len(self.batch) >= self.batch_size:
-            self._flush()
-
-    def _flush(self) -> None:
-        samples, positions, self.batch, self.batch_pos = self.batch, self.batch_pos, [], []
-        datas = [s.data for s in samples]
-        targets = [s.target for s in samples]
-        frombuffer, u8 = np.frombuffer, np.uint8
-        self.outbox.append(Batch(
-            ids=np.array([s.id for s in samples], np.int64),
-            labels=np.array([s.label for s in samples], np.int32),
-            data=[frombuffer(d, u8) for d in datas],
-            targets=targets if any(t is not None for t in targets) else None,
-            epoch=self.plan.epoch,
-            positions=np.array(positions, np.int64),
-            nbytes=sum(map(len, datas)),
-            skipped=tuple(self.skipped),
-        ))
-        self.skipped = []
-
-    def finish(self, drop_last: bool) -> tuple[EndOfEpoch, int]:
-        """Flush (or drop) the last partial batch; the end marker and the bytes dropped."""
-        dropped: list[int] = []
-        nbytes = 0
-        if self.batch:
-            if drop_last:
-                dropped = self.batch_pos
-                nbytes = sum(len(s.data) for s in self.batch)
-                self.pending_bytes -= nbytes
-                self.batch, self.batch_pos = [], []
-            else:
-                self._flush()
-        end = EndOfEpoch(self.plan.epoch, tuple(self.skipped) + tuple(dropped))
-        self.skipped = []
-        self.finished = True
-        return end, nbytes
 
 
 class Run(Recovery):
@@ -213,6 +69,8 @@ class Run(Recovery):
         waited: Callable[[], float] | None = None,
     ) -> None:
         self.source, self.dataset = source, dataset
+        #: the source's answers a run (one read's records) at a time, where it gives them so
+        self._runs = getattr(source, "fetch_runs", None)
         self.batch_size, self.drop_last, self.in_order = batch_size, drop_last, in_order
         #: bytes in batches made and not yet taken by the consumer (and in partial batches)
         self.ready_bytes = 0
@@ -488,8 +346,97 @@ class Run(Recovery):
         return req
 
     async def _fetch(self, req: _Req) -> None:
-        async for result in self.source.fetch(self.dataset, list(req.positions)):
+        if self._runs is not None:
+            async for run in self._runs(self.dataset, list(req.positions)):
+                self._on_results(req, run)
+        else:
+            async for result in self.source.fetch(self.dataset, list(req.positions)):
+                self._on_result(req, result)
+
+    def _on_results(self, req: _Req, results: list) -> None:
+        """A run of answers to ``req`` (``fetch_runs``: what one read completed): what
+        :meth:`_on_result` does for each, its bookkeeping summed over the run (no call and no
+        attribute reads per sample). A request whose answers are not each one new position
+        out of order (a hedge pair, a padded plan, in-order assembly, sizes not seen yet, a
+        retried position), and each answer that is not a sample to take as it is (not found, a
+        checksum to check), go through :meth:`_on_result`."""
+        ep = req.epoch
+        if req.paired or req.extra is not None or ep.in_order or self._blind or ep.first_fail:
+            for result in results:
+                self._on_result(req, result)
+            return
+        positions, answered, verify = req.positions, req.answered, self._verify
+        before, slow = len(answered), None
+        per_sample, reserved = req.per_sample, req.reserved
+        link, c = self.link, self.c
+        mean, high = link.mean_bytes, link.high_bytes
+        held = self._reserved + self.ready_bytes + self.taken_bytes
+        peak = c.peak_bytes
+        completed, batch, batch_pos, size = ep.completed, ep.batch, ep.batch_pos, ep.batch_size
+        add = completed.add
+        taken = received = got = dup = 0
+        for result in results:
+            sid = result.id
+            pos = positions.get(sid)
+            if pos is None or sid in answered:
+                continue  # not asked for in this request, or answered already; never trust it
+            if type(result) is not Sample or (verify and result.checksum is not None):
+                if slow is None:
+                    slow = []
+                slow.append(result)
+                continue
+            answered.add(sid)
+            nbytes = len(result.data)
+            take = nbytes if nbytes > per_sample else per_sample
+            if take > reserved:
+                take = reserved
+            reserved -= take
+            taken += take
+            held -= take
+            received += nbytes
+            mean += (nbytes - mean) * 0.05
+            if nbytes > high:
+                high = float(nbytes)
+            else:  # the envelope decays towards the mean (half-way in about 2,800 samples)
+                high -= (high - mean) * 0.00025
+            if add(pos):
+                got += nbytes
+                held += nbytes
+                if held > peak:
+                    peak = held
+                batch.append(result)
+                batch_pos.append(pos)
+                if len(batch) >= size:
+                    ep.pending_bytes += got
+                    self.ready_bytes += got
+                    got = 0
+                    ep._flush()
+                    batch, batch_pos = ep.batch, ep.batch_pos
+            else:
+                dup += 1
+        if len(answered) > before:
+            if not before:
+                req.first = self._loop.time()
+            breaker = self._breaker
+            if breaker.fails and req.start >= breaker.down_since:
+                breaker.answered(self._loop.time())  # as _on_result: the store answers again
+            req.reserved = reserved
+            self._reserved -= taken
+            ep.reserved -= taken
+            c.received += received
+            c.duplicates += dup
+            c.peak_bytes = peak
+            self.ready_bytes += got
+            ep.pending_bytes += got
+            link.delivered += received
+            link.mean_bytes, link.high_bytes = mean, high
+            link.reserve_bytes = min(high, link.RESERVE_CAP * mean)
+        for result in slow or ():
             self._on_result(req, result)
+        if ep.outbox:
+            self._hand_over(ep)
+        if ep is self.current and completed.frontier >= completed.n:
+            self._poke()  # end the epoch now, not when the last request closes
 
     # --- results -------------------------------------------------------------
     def _on_result(self, req: _Req, result) -> None:

@@ -17,7 +17,7 @@ from ._tuner import quantile
 from ._types import SampleFailed
 
 if TYPE_CHECKING:
-    from ._engine import _Epoch, _Req
+    from ._epoch import _Epoch, _Req
 
 __all__ = ["Recovery"]
 

@@ -292,40 +292,42 @@ class FrameDecoder:
     def _parse(self) -> None:
         """Every record complete in ``[_lo, _hi)``, in one pass."""
         buf, ro, lo, hi = self._buf, self._ro, self._lo, self._hi
-        append = self.records.append
+        records = self.records
+        append = records.append
         unpack, size, limit, unpack_sum = _HEADER_IN.unpack_from, HEADER.size, self._max, _SUM.unpack_from
-        verify = self._verify
-        start, ready, count = lo, 0, 0
+        sum_size, verify, check, make = size + _SUM.size, self._verify, sample_checksum, _sample
+        start, ready, listed = lo, 0, len(records)
         try:
             while hi - lo >= size:
                 magic, version, kind, flags, id_, label, tlen, dlen = unpack(buf, lo)
-                if magic != _MAGIC_IN or (version != VERSION and version != SUMS_VERSION) or kind > END:
-                    raise WireFormatError(f"bad record header {bytes(buf[lo : lo + 8]).hex()} (magic, version or kind)")
-                if tlen + dlen > limit:
-                    raise WireFormatError(f"record of {tlen + dlen} bytes exceeds the limit of {limit}")
-                end = lo + (size if version == VERSION else size + 8) + tlen + dlen
+                if (magic != _MAGIC_IN or kind > END or (version != VERSION and version != SUMS_VERSION)
+                        or tlen + dlen > limit):
+                    raise _bad_header(buf, lo, magic, version, kind, tlen + dlen, limit)
+                end = lo + (size if version == VERSION else sum_size) + tlen + dlen
                 if end > hi:
                     self._need = end - lo
                     break
                 if kind == SAMPLE:
                     at = end - dlen
-                    if not flags & _HAS_TARGET:
-                        if tlen:
-                            raise WireFormatError(f"record of sample {id_} has target bytes but no target flag")
-                        target = None
-                    else:
+                    if flags & _HAS_TARGET:
                         target = ro[at - tlen : at].tobytes()
+                    elif tlen:
+                        raise WireFormatError(f"record of sample {id_} has target bytes but no target flag")
+                    else:
+                        target = None
                     data = ro[at:end] if dlen else b""
-                    checksum = None if version == VERSION else unpack_sum(buf, lo + size)[0]
-                    if verify and checksum is not None and sample_checksum(data) == checksum:
-                        checksum = None  # checked here, while in the cache
-                    append(_sample(id_, label, data, target, checksum))
+                    if version == VERSION:
+                        checksum = None
+                    else:  # checked here, while in the cache: a sample that matches goes on without it
+                        checksum = unpack_sum(buf, lo + size)[0]
+                        if verify and check(data) == checksum:
+                            checksum = None
+                    append(make(id_, label, data, target, checksum))
                     ready += dlen
-                    count += 1
                 elif kind == NOT_FOUND:
                     append(SampleNotFound(self.dataset, id_))
-                    count += 1
                 else:
+                    listed += 1  # the END or ERROR record _finish adds is not one of the answers counted
                     self._finish(_error_record(ro[end - dlen : end]) if kind == ERROR else EndRecord(id_), end)
                     return
                 lo = end
@@ -334,7 +336,7 @@ class FrameDecoder:
         finally:
             self.ready_bytes += ready
             self.nbytes += lo - start
-            self.count += count
+            self.count += len(records) - listed
         self._lo = lo
 
     def _finish(self, rec: ErrorRecord | EndRecord, lo: int) -> None:
@@ -345,6 +347,13 @@ class FrameDecoder:
         buf, self._buf, self._w, self._ro = self._buf, None, None, None  # nothing of ours keeps the arena now
         if self._give_back is not None:
             self._give_back(buf, lo, self._stop)
+
+
+def _bad_header(buf, lo: int, magic: int, version: int, kind: int, nbytes: int, limit: int) -> WireFormatError:
+    """The error for a record header ``_parse`` refused."""
+    if magic != _MAGIC_IN or kind > END or (version != VERSION and version != SUMS_VERSION):
+        return WireFormatError(f"bad record header {bytes(buf[lo : lo + 8]).hex()} (magic, version or kind)")
+    return WireFormatError(f"record of {nbytes} bytes exceeds the limit of {limit}")
 
 
 def _error_record(raw: memoryview) -> ErrorRecord:

@@ -47,7 +47,7 @@ from ..._errors import (
 from ..._model import DatasetInfo, IdList, Sample, SplitInfo
 from ..._tokens import read_token_file, valid_token
 from ..._wire import (
-    ACCEPT_SUMS, FRAMES_TYPE, IDLIST_TYPE, IDS_TYPE, ErrorRecord, FrameDecoder, decode_idlist, encode_ids,
+    ACCEPT_SUMS, FRAMES_TYPE, IDLIST_TYPE, IDS_TYPE, EndRecord, ErrorRecord, FrameDecoder, decode_idlist, encode_ids,
 )
 
 from ._buffers import BufferPool
@@ -218,6 +218,14 @@ class HttpSource:
 
     async def fetch(self, dataset: str, ids: Sequence[int]) -> AsyncIterator[Sample | SampleNotFound]:
         """One batch request; yield each record as it arrives (completion order)."""
+        async for run in self.fetch_runs(dataset, ids):
+            for rec in run:
+                yield rec
+
+    async def fetch_runs(self, dataset: str, ids: Sequence[int]) -> AsyncIterator[list[Sample | SampleNotFound]]:
+        """:meth:`fetch`, a *run* at a time: the records that each read of the answer completed,
+        as one list (not empty), in completion order. The engine takes them so (``Run._on_results``):
+        no async step and no call per sample. The same records, errors and retries as ``fetch``."""
         if not len(ids):
             return
         what = f"fetch of {len(ids)} samples of dataset {dataset!r}"
@@ -248,15 +256,19 @@ class HttpSource:
                         self.timing.worked(work)
                     while True:
                         if decoder.records:
-                            for rec in decoder.take():
-                                if type(rec) is Sample or type(rec) is SampleNotFound:
-                                    answered += 1
-                                    yield rec
-                                elif type(rec) is ErrorRecord:
-                                    cls = StoreTimeout if rec.error == "store_timeout" else StoreUnavailable
-                                    raise cls(f"{self.url}: {what} failed after {answered} answers: {rec.detail}")
-                                elif answered != len(ids):
-                                    raise StoreError(f"{self.url}: {what} ended after {answered} answers")
+                            run = decoder.take()
+                            last = run[-1]  # an ERROR or END record comes last (the decoder stops at it)
+                            end = type(last) is ErrorRecord or type(last) is EndRecord
+                            if end:
+                                run.pop()
+                            if run:
+                                answered += len(run)
+                                yield run
+                            if type(last) is ErrorRecord:
+                                cls = StoreTimeout if last.error == "store_timeout" else StoreUnavailable
+                                raise cls(f"{self.url}: {what} failed after {answered} answers: {last.detail}")
+                            if end and answered != len(ids):
+                                raise StoreError(f"{self.url}: {what} ended after {answered} answers")
                             conn.resume()
                         elif conn.complete:  # the body's end (after END, so the connection goes back to the pool)
                             if not decoder.done:
