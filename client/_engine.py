@@ -40,6 +40,16 @@ log = logging.getLogger("dataferry.client")
 _INF = float("inf")
 
 
+def _runs_of(source: SampleSource):
+    """The source's ``fetch_runs`` (its answers a run at a time: ``HttpSource``), where the class
+    whose ``fetch`` it uses defines both: not a subclass's or a wrapper's own ``fetch`` (faults
+    injected, answers changed) bypassed for a ``fetch_runs`` inherited or passed through."""
+    for klass in type(source).__mro__:
+        if "fetch" in vars(klass):
+            return source.fetch_runs if "fetch_runs" in vars(klass) else None
+    return None
+
+
 class Run(Recovery):
     """Fetch this rank's epochs from ``source`` and ``emit`` batches.
 
@@ -69,8 +79,7 @@ class Run(Recovery):
         waited: Callable[[], float] | None = None,
     ) -> None:
         self.source, self.dataset = source, dataset
-        #: the source's answers a run (one read's records) at a time, where it gives them so
-        self._runs = getattr(source, "fetch_runs", None)
+        self._runs = _runs_of(source)
         self.batch_size, self.drop_last, self.in_order = batch_size, drop_last, in_order
         #: bytes in batches made and not yet taken by the consumer (and in partial batches)
         self.ready_bytes = 0

@@ -18,7 +18,7 @@ from dataferry.client import MemorySource
 from dataferry.schema import Sample, SampleNotFound, SampleSource
 from dataferry.schema._errors import ConfigError, StoreUnavailable
 
-__all__ = ["Faults", "FaultySource", "QueueingSource"]
+__all__ = ["Faults", "FaultySource", "InRuns", "QueueingSource"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,3 +94,36 @@ class QueueingSource(MemorySource):
             await asyncio.sleep(self.service)
         async for result in super().fetch(dataset, ids):
             yield result
+
+
+class InRuns:
+    """Wrap a source so that it answers a run at a time, as ``HttpSource.fetch_runs`` does (one
+    read's records as one list): its answers grouped in runs of 1 to ``longest``, at random
+    (deterministic for ``seed``). The engine then takes them through ``Run._on_results``."""
+
+    def __init__(self, inner: SampleSource, longest: int = 9, seed: int = 0) -> None:
+        self.inner = inner
+        self.longest = longest
+        self._rng = random.Random(seed)
+        self.runs = 0
+
+    def __getattr__(self, name):  # catalog methods pass through
+        return getattr(self.inner, name)
+
+    async def fetch(self, dataset: str, ids: Sequence[int]) -> AsyncIterator[Sample | SampleNotFound]:
+        async for run in self.fetch_runs(dataset, ids):
+            for result in run:
+                yield result
+
+    async def fetch_runs(self, dataset: str, ids: Sequence[int]) -> AsyncIterator[list[Sample | SampleNotFound]]:
+        run: list = []
+        want = self._rng.randint(1, self.longest)
+        async for result in self.inner.fetch(dataset, ids):
+            run.append(result)
+            if len(run) >= want:
+                self.runs += 1
+                yield run
+                run, want = [], self._rng.randint(1, self.longest)
+        if run:
+            self.runs += 1
+            yield run

@@ -27,9 +27,9 @@ from dataferry.client import (
     SampleFailed,
 )
 from dataferry.client._plan import make_plan
-from dataferry.schema import IdList, Sample
+from dataferry.schema import IdList, Sample, SampleNotFound, sample_checksum
 from dataferry.schema._errors import ConfigError
-from faults import Faults, FaultySource
+from faults import Faults, FaultySource, InRuns
 
 
 def drain(loader) -> list[int]:
@@ -113,9 +113,11 @@ def test_every_sample_once_per_epoch_out_of_order():
         assert loader.epoch == 2
 
 
-def test_exactly_once_across_errors_timeouts_drops_and_hedges():
+@pytest.mark.parametrize("runs", [False, True], ids=["per-sample", "in-runs"])
+def test_exactly_once_across_errors_timeouts_drops_and_hedges(runs):
     faults = Faults(error=0.08, drop=0.08, hang=0.04, slow=0.08, slow_delay=0.4, seed=3)
     src = FaultySource(JitterSource("d", synthetic(4000).samples.values(), hi=0.01), faults)
+    src = InRuns(src, seed=3) if runs else src  # answers a run at a time, as HttpSource.fetch_runs
     loader = Loader(
         src, "d", batch_size=50,
         retry=Retry(attempts=10, timeout=0.25, backoff=0.005, max_backoff=0.05),
@@ -128,6 +130,47 @@ def test_exactly_once_across_errors_timeouts_drops_and_hedges():
     assert Counter(got) == Counter(range(4000))
     assert all(src.injected[k] > 0 for k in src.injected), src.injected
     assert stats.retries > 0 and stats.failures > 0 and stats.hedges > 0
+    assert not runs or src.runs > 100
+
+
+class OddAnswers(MemorySource):
+    """Every request answered with its samples and some noise a source may send: an id answered
+    twice, an id not asked for, a missing id (every 97th), a sample whose bytes do not match
+    its checksum (id 50): what the engine must ignore, skip or report, the same whether the
+    answers come one at a time or in runs."""
+
+    async def fetch(self, dataset, ids):
+        for k, i in enumerate(ids):
+            if i % 97 == 0:
+                yield SampleNotFound(dataset, i)
+                continue
+            s = self.samples[i]
+            if i == 50:
+                s = Sample(s.id, s.label, b"x" + bytes(s.data)[1:], s.target, sample_checksum(s.data))
+            yield s
+            if k == 0:
+                yield s  # again
+                yield Sample(10**6 + i, 0, b"unasked")
+
+
+@pytest.mark.parametrize("request_size", [1, 7, 32])
+def test_answers_in_runs_are_taken_exactly_as_one_at_a_time(request_size):
+    results = {}
+    for runs in (False, True):
+        src = OddAnswers("d", synthetic(600).samples.values())
+        src = InRuns(src, longest=5, seed=request_size) if runs else src
+        prefetch = Prefetch(request_size=request_size, max_inflight=4, tune=False)
+        with Loader(src, "d", batch_size=16, prefetch=prefetch, errors=ErrorPolicy("skip", max_skipped=20)) as loader:
+            got = drain(loader)
+            st = loader.stats()
+        # (what was received and the duplicates count the next epoch's look-ahead too: timing)
+        assert st.received >= st.bytes and st.peak_bytes <= st.budget
+        results[runs] = (sorted(got), st.skipped, st.corrupt_ids, st.samples, st.bytes)
+    assert results[True] == results[False]
+    got, skipped, corrupt, samples, nbytes = results[True]
+    assert got == [i for i in range(600) if i % 97 and i != 50] and corrupt == (50,)
+    data = synthetic(600).samples
+    assert skipped == 8 and samples == len(got) and nbytes == sum(len(data[i].data) for i in got)
 
 
 def test_in_order_mode_is_in_order_and_default_is_not():
@@ -159,8 +202,9 @@ def test_unknown_id_raises_naming_it():
             drain(loader)
 
 
-def test_skip_policy_counts_and_has_a_budget():
-    src = synthetic(100)
+@pytest.mark.parametrize("runs", [False, True], ids=["per-sample", "in-runs"])
+def test_skip_policy_counts_and_has_a_budget(runs):
+    src = InRuns(synthetic(100)) if runs else synthetic(100)
     ids = IdList(np.array(list(range(60)) + [-1, -2]), np.zeros(62))
     with Loader(src, "d", ids=ids, batch_size=8, errors=ErrorPolicy("skip", max_skipped=2)) as loader:
         assert sorted(drain(loader)) == list(range(60))
@@ -221,9 +265,10 @@ class FreshBytesSource(MemorySource):
         return IdList(np.arange(self.n), np.arange(self.n) % 10)
 
 
-def test_memory_stays_within_the_byte_budget_on_a_dataset_ten_times_larger():
+@pytest.mark.parametrize("runs", [False, True], ids=["per-sample", "in-runs"])
+def test_memory_stays_within_the_byte_budget_on_a_dataset_ten_times_larger(runs):
     budget, size, n = 4 << 20, 32 << 10, 1280  # 40 MiB of data, 4 MiB budget
-    src = FreshBytesSource(n, size)
+    src = InRuns(FreshBytesSource(n, size)) if runs else FreshBytesSource(n, size)
     prefetch = Prefetch(max_bytes=budget, max_inflight=64, request_size=8, sample_bytes_hint=size)
     tracemalloc.start()
     try:
@@ -271,11 +316,13 @@ class StragglerSource(FreshBytesSource):
             yield Sample(i, i % 10, os.urandom(self.size))
 
 
-def test_a_hedge_pair_shares_one_reservation_and_the_accounting_stays_within_the_budget():
+@pytest.mark.parametrize("runs", [False, True], ids=["per-sample", "in-runs"])
+def test_a_hedge_pair_shares_one_reservation_and_the_accounting_stays_within_the_budget(runs):
     """Red before: a hedge took over its straggler's reservation, and the straggler's answers
     that came first then added bytes reserved by nobody (the CI run's 17.0 MB against 16 MiB)."""
     budget, size, n = 1 << 20, 16 << 10, 400  # 64 samples' worth; a consumer slower than the source
-    src = StragglerSource(n, size)
+    straggler = StragglerSource(n, size)
+    src = InRuns(straggler, longest=3) if runs else straggler
     prefetch = Prefetch(max_bytes=budget, request_size=8, sample_bytes_hint=size, tune=False, max_inflight=16)
     with Loader(src, "d", batch_size=16, prefetch=prefetch, hedge=Hedge(factor=1.0, min_delay=0.05)) as loader:
         seen = []
@@ -284,13 +331,15 @@ def test_a_hedge_pair_shares_one_reservation_and_the_accounting_stays_within_the
             time.sleep(0.01)
         stats = loader.stats()
     assert sorted(seen) == list(range(n))
-    assert src.hedged >= 1 and stats.hedges >= 1
+    assert straggler.hedged >= 1 and stats.hedges >= 1
     assert stats.peak_bytes <= budget, f"the accounting peaked at {stats.peak_bytes:,} B"
 
 
 # --- resume ---------------------------------------------------------------------------------------
-def test_state_dict_resume_delivers_exactly_the_rest():
+@pytest.mark.parametrize("runs", [False, True], ids=["per-sample", "in-runs"])
+def test_state_dict_resume_delivers_exactly_the_rest(runs):
     src = JitterSource("d", synthetic(2000).samples.values(), hi=0.02, seed=4)
+    src = InRuns(src, seed=4) if runs else src
     with Loader(src, "d", batch_size=50, plan=PlanOptions(seed=1)) as first:
         first.set_epoch(3)
         it = iter(first)
@@ -469,3 +518,26 @@ def test_the_hedges_quantile_is_numpys_default_percentile(n):
         for q in (0.0, 0.5, 0.95, 1.0):
             assert quantile(xs, q) == pytest.approx(float(np.percentile(xs, q * 100)), rel=1e-12, abs=1e-15)
     assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+
+
+def test_answers_in_runs_only_from_the_class_whose_fetch_the_engine_would_use():
+    from dataferry.client._engine import _runs_of
+
+    class Runs(MemorySource):
+        async def fetch(self, dataset, ids):
+            async for r in super().fetch(dataset, ids):
+                yield r
+
+        async def fetch_runs(self, dataset, ids):
+            yield [r async for r in self.fetch(dataset, ids)]
+
+    class OwnFetch(Runs):  # a subclass that changes fetch: its fetch, not the inherited runs
+        async def fetch(self, dataset, ids):
+            async for r in super().fetch(dataset, ids):
+                yield r
+
+    src = Runs.synthetic("d", 4)
+    assert _runs_of(src) == src.fetch_runs
+    assert _runs_of(OwnFetch.synthetic("d", 4)) is None
+    assert _runs_of(FaultySource(src, Faults())) is None  # a wrapper passing attributes through: its faults
+    assert _runs_of(InRuns(src)) is not None and _runs_of(synthetic(4)) is None

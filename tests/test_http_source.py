@@ -15,9 +15,9 @@ import pytest
 
 from dataferry.client import Hedge, Loader, Prefetch, Retry
 from dataferry.schema.sources.http._source import HttpOptions, HttpSource, RequestRejected, TokenRefused
-from dataferry.schema import Sample, open_store
-from dataferry.schema._errors import ConfigError, StoreError, StoreTimeout, StoreUnavailable
-from dataferry.schema._wire import encode_end, encode_sample
+from dataferry.schema import Sample, open_store, sample_checksum
+from dataferry.schema._errors import ConfigError, SampleNotFound, StoreError, StoreTimeout, StoreUnavailable
+from dataferry.schema._wire import encode_end, encode_not_found, encode_sample
 from dataferry.server import ServerOptions, make_app
 from server_kit import RawHttpServer, ServerProcess, make_samples, run, seed, seed_url, serve
 
@@ -141,6 +141,45 @@ def test_a_cut_stream_yields_what_arrived_then_fails():
                 return got
 
     assert run(go()) == [a]
+
+
+def test_fetch_runs_hands_on_each_reads_records_as_one_list_the_same_as_fetch():
+    data = {i: bytes([i]) * (1000 + 37 * i) for i in range(1, 121)}
+    samples = [Sample(i, i % 3, d, b"t" if i % 5 == 0 else None, sample_checksum(d)) for i, d in data.items()]
+    body = b"".join(b"".join(encode_sample(x, sums=True)) for x in samples) + encode_not_found(999)
+    body += encode_end(len(samples) + 1)
+    ids = [x.id for x in samples] + [999]
+
+    async def go():
+        async with RawServer(_http("200 OK", "application/x-dataferry-frames", body)) as url:
+            async with await HttpSource.open(url) as src:
+                runs = [run async for run in src.fetch_runs("d", ids)]
+        async with RawServer(_http("200 OK", "application/x-dataferry-frames", body)) as url:
+            async with await HttpSource.open(url) as src:
+                one_by_one = await _drain(src.fetch("d", ids))
+        return runs, one_by_one
+
+    runs, one_by_one = run(go())
+    assert runs and all(type(r) is list and r for r in runs)
+    flat = [x for r in runs for x in r]
+    assert flat == one_by_one == [*samples, SampleNotFound("d", 999)]
+    assert all(x.checksum is None for x in flat[:-1])  # checked on arrival
+
+
+def test_fetch_runs_on_a_cut_stream_yields_what_arrived_then_fails():
+    a, b = Sample(1, 0, b"a" * 100, b""), Sample(2, 1, b"b" * 100)
+    body = b"".join(encode_sample(a)) + b"".join(encode_sample(b))[:60]
+
+    async def go():
+        async with RawServer(_http("200 OK", "application/x-dataferry-frames", body, chunked=True)) as url:
+            async with await HttpSource.open(url) as src:
+                got = []
+                with pytest.raises(StoreUnavailable, match="after 1 answers"):
+                    async for r in src.fetch_runs("d", [1, 2]):
+                        got.append(r)
+                return got
+
+    assert run(go()) == [[a]]
 
 
 @pytest.mark.parametrize("reply,error,match", ids=[
