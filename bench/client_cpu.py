@@ -3,7 +3,7 @@
     python -m dataferry.bench.client_cpu [--images 1024] [--epochs 3] [--repeats 5]
                                          [--rtts 0] [--batch-size 256] [--data synthetic|random]
                                          [--pin] [--floor] [--no-memory] [--fetch-sizes 4,8,32,128]
-                                         [--loader-sizes 32,128] [--perf]
+                                         [--loader-sizes 32,128] [--perf] [--replay]
 
 Method details: bench/README.md, "Methods".
 """
@@ -244,6 +244,71 @@ def _ids_per_request(runs: list[Run]) -> str:
         r.requests for r in runs) else "-"
 
 
+class ReplaySource:
+    """The HTTP path's client half with no socket and no server: each request's answer (the
+    service's version 2 frames, encoded once per sample) written into ``HttpSource``'s decoder
+    (``FrameDecoder``, checksums checked as they arrive) through its ``sink``/``sunk`` as the
+    kernel's reads are, at most ``read`` bytes a read, into pooled arenas; each read's records
+    handed on as a run (``fetch_runs``, as ``HttpSource``) or one at a time (``fetch``). What it
+    adds to the engine alone (MemorySource) is the decoder, the arenas, and one copy of each
+    sample into its arena, in user space, where the socket's is the kernel's (``--replay``)."""
+
+    def __init__(self, memory, read: int = 256 << 10) -> None:
+        from dataferry.schema import sample_checksum
+        from dataferry.schema._wire import encode_end, encode_sample
+        from dataferry.schema.sources.http._buffers import BufferPool
+
+        self.memory = memory  # its catalog (the split, the dataset) is this source's
+        self._records = {}
+        for s in memory.samples.values():
+            s = s if s.checksum is not None else type(s)(s.id, s.label, s.data, s.target, sample_checksum(s.data))
+            self._records[s.id] = memoryview(b"".join(encode_sample(s, sums=True)))
+        self._end, self._read, self._pool = encode_end, read, BufferPool()
+
+    def __getattr__(self, name):
+        return getattr(self.memory, name)
+
+    async def fetch(self, dataset: str, ids):
+        async for run in self.fetch_runs(dataset, ids):
+            for rec in run:
+                yield rec
+
+    async def fetch_runs(self, dataset: str, ids):
+        import asyncio
+
+        from dataferry.schema._wire import EndRecord, FrameDecoder
+
+        dec = FrameDecoder(dataset, arena=self._pool.take, give_back=self._pool.give_back, expect=len(ids),
+                           mean=SAMPLE_BYTES, verify=True)
+        body = [self._records[i] for i in ids] + [memoryview(self._end(len(ids)))]
+        k, at = 0, 0  # the record being written, and how much of it is
+        while k < len(body):
+            view = dec.sink()  # a read: the kernel writes what it has, up to the room given
+            room, w = min(len(view), self._read), 0
+            while w < room and k < len(body):
+                rec = body[k]
+                n = min(room - w, len(rec) - at)
+                view[w : w + n] = rec[at : at + n]
+                w, at = w + n, at + n
+                if at == len(rec):
+                    k, at = k + 1, 0
+            del view
+            dec.sunk(w)
+            run = dec.take()
+            if run and type(run[-1]) is EndRecord:
+                run.pop()
+            if run:
+                yield run
+            await asyncio.sleep(0)  # the loop turns between reads, as between a socket's
+
+
+def _replay(images: int, epochs: int, batch_size: int, repeats: int) -> list[Run]:
+    from dataferry.client import MemorySource
+
+    src = ReplaySource(MemorySource.synthetic("bench", images, size=SAMPLE_BYTES))
+    return [measure(src, "bench", epochs, batch_size) for _ in range(repeats)]
+
+
 def _memory_reference(images: int, epochs: int, batch_size: int, repeats: int) -> list[Run]:
     from dataferry.client import MemorySource
 
@@ -261,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", choices=("synthetic", "random"), default="synthetic",
                    help="synthetic JPEGs of ~110 KB (cached), or random bytes of the same sizes")
     p.add_argument("--no-memory", action="store_true", help="leave out the MemorySource reference row")
+    p.add_argument("--replay", action="store_true",
+                   help="add the HTTP path's client half without a socket or a server: the answers' frames fed "
+                        "to HttpSource's decoder from memory (ReplaySource), then the engine")
     p.add_argument("--floor", action="store_true", help="add the kernel's share: a bare loopback recv_into of the bytes")
     p.add_argument("--pin", action="store_true", help="the server on CPU 0, this process on the others")
     p.add_argument("--loader-sizes", default="",
@@ -298,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(_row("MemorySource (engine alone)", "-",
                          _memory_reference(args.images, args.epochs, args.batch_size, args.repeats)))
         print(f"memory: {rows[-1][2]} us/sample, {rows[-1][5]} samples/s", flush=True)
+    if args.replay:
+        rows.append(_row("HTTP client half, replayed (no socket, no server)", "-",
+                         _replay(args.images, args.epochs, args.batch_size, args.repeats)))
+        print(f"replay: {rows[-1][2]} us/sample (user {rows[-1][3]}), {rows[-1][5]} samples/s", flush=True)
     with data_server(store, wrap=wrap) as server:
         for rtt in rtts:
             with ProxyLink().emulate(Condition(rtt_ms=rtt)) as route:

@@ -1,8 +1,9 @@
 """The async prefetch engine: :class:`Run` fetches one rank's epochs, out of order, back to back.
 
 Everything runs on one event loop: plan positions go out in requests
-(``source.fetch(dataset, ids)``) within the window (``_tuner.Link``) and the byte budget;
-results are handled as they arrive, each position completed once (:class:`_Epoch`), and
+(``source.fetch(dataset, ids)``; ``fetch_runs`` where the source answers a run at a time)
+within the window (``_tuner.Link``) and the byte budget; results are handled as they arrive
+(a run in one pass), each position completed once (``_epoch._Epoch``), and
 full batches handed to ``emit`` in completion order (plan order with ``in_order``). The
 current epoch goes first; the next epoch's requests follow once it has nothing new to send
 (one epoch of look-ahead, at most half the budget). A failed request's positions are retried
