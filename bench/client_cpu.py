@@ -3,7 +3,7 @@
     python -m dataferry.bench.client_cpu [--images 1024] [--epochs 3] [--repeats 5]
                                          [--rtts 0] [--batch-size 256] [--data synthetic|random]
                                          [--pin] [--floor] [--no-memory] [--fetch-sizes 4,8,32,128]
-                                         [--loader-sizes 32,128] [--perf] [--replay]
+                                         [--loader-sizes 32,128] [--perf] [--replay] [--lines IDS]
 
 Method details: bench/README.md, "Methods".
 """
@@ -88,6 +88,31 @@ def measure(source, dataset: str, epochs: int, batch_size: int, warmup: int = 1,
     if profile is not None and perf is not None:
         profile.update(perf.stop())
     return Run(samples, (u1 - u0) + (s1 - s0), wall, u1 - u0, s1 - s0, requests)
+
+
+def count_lines(source, dataset: str, epochs: int, batch_size: int, request_size: int | None) -> tuple[int, list]:
+    """A Loader over ``source`` for ``epochs`` epochs, its Python lines counted (``LineCounter``)
+    from its start to its close: the samples the engine received (the look-ahead's included: what
+    the lines were run for) and the lines per sample by function."""
+    from dataferry.client import Loader, Prefetch
+
+    from ._threadprof import LineCounter
+
+    counter = LineCounter()
+    counter.install()
+    counter.on = True
+    try:
+        with Loader(source, dataset, batch_size=batch_size, prefetch=Prefetch(request_size=request_size)) as loader:
+            n = 0
+            for _ in range(epochs):
+                for batch in loader:
+                    n += len(batch)
+            st = loader.stats()
+    finally:
+        counter.on = False
+        counter.remove()
+    received = round(n * st.received / max(st.bytes, 1))  # the samples taken, scaled by bytes received / taken
+    return received, counter.per(received)
 
 
 class _Perf:
@@ -302,10 +327,10 @@ class ReplaySource:
             await asyncio.sleep(0)  # the loop turns between reads, as between a socket's
 
 
-def _replay(images: int, epochs: int, batch_size: int, repeats: int) -> list[Run]:
+def _replay(images: int, epochs: int, batch_size: int, repeats: int, size: int) -> list[Run]:
     from dataferry.client import MemorySource
 
-    src = ReplaySource(MemorySource.synthetic("bench", images, size=SAMPLE_BYTES))
+    src = ReplaySource(MemorySource.synthetic("bench", images, size=size))
     return [measure(src, "bench", epochs, batch_size) for _ in range(repeats)]
 
 
@@ -326,9 +351,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", choices=("synthetic", "random"), default="synthetic",
                    help="synthetic JPEGs of ~110 KB (cached), or random bytes of the same sizes")
     p.add_argument("--no-memory", action="store_true", help="leave out the MemorySource reference row")
+    p.add_argument("--lines", type=int, metavar="IDS", default=None,
+                   help="count the Python lines dataferry runs per sample over HTTP at IDS ids a request "
+                        "(0: the tuner's), by function, over --epochs epochs (a count, not a time: it is slow)")
     p.add_argument("--replay", action="store_true",
                    help="add the HTTP path's client half without a socket or a server: the answers' frames fed "
                         "to HttpSource's decoder from memory (ReplaySource), then the engine")
+    p.add_argument("--replay-bytes", type=int, default=SAMPLE_BYTES, metavar="N",
+                   help=f"--replay: bytes per sample (default {SAMPLE_BYTES:,})")
     p.add_argument("--floor", action="store_true", help="add the kernel's share: a bare loopback recv_into of the bytes")
     p.add_argument("--pin", action="store_true", help="the server on CPU 0, this process on the others")
     p.add_argument("--loader-sizes", default="",
@@ -356,6 +386,14 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, set(cpus[1:]))  # threads made from now on (the Loader's) inherit it
         wrap = ("taskset", "-c", str(cpus[0]))
     store = prepare_store(args.images, args.data)
+    if args.lines is not None:
+        with data_server(store, wrap=wrap) as server:
+            n, counted = count_lines(f"http://{server[0]}:{server[1]}", DATASET, args.epochs, args.batch_size,
+                                     args.lines or None)
+        print(f"Python lines per sample received over HTTP, {args.lines or 'tuned'} ids a request, {n} samples:")
+        for name, per in counted:
+            print(f"  {per:8.2f}  {name}")
+        return 0
     rows = []
     if args.floor:
         n = max(args.images * args.epochs, FLOOR_SAMPLES)
@@ -367,8 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                          _memory_reference(args.images, args.epochs, args.batch_size, args.repeats)))
         print(f"memory: {rows[-1][2]} us/sample, {rows[-1][5]} samples/s", flush=True)
     if args.replay:
-        rows.append(_row("HTTP client half, replayed (no socket, no server)", "-",
-                         _replay(args.images, args.epochs, args.batch_size, args.repeats)))
+        rows.append(_row(f"HTTP client half, replayed, {args.replay_bytes:,} B (no socket, no server)", "-",
+                         _replay(args.images, args.epochs, args.batch_size, args.repeats, args.replay_bytes)))
         print(f"replay: {rows[-1][2]} us/sample (user {rows[-1][3]}), {rows[-1][5]} samples/s", flush=True)
     with data_server(store, wrap=wrap) as server:
         for rtt in rtts:

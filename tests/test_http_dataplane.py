@@ -408,6 +408,23 @@ def test_client_cpu_bench_smoke(tmp_path):
     assert "Loader at 8 ids a request" in out.stdout and "ids a request (tuned)" in out.stdout
 
 
+def test_client_cpu_replay_and_line_count_smoke(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    common = [sys.executable, "-m", "dataferry.bench.client_cpu", "--data", "random", "--images", "64", "--epochs", "2",
+              "--repeats", "1", "--batch-size", "16", "--no-memory"]
+    out = subprocess.run([*common, "--replay", "--replay-bytes", "3000", "--rtts", ""], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "HTTP client half, replayed, 3,000 B" in out.stdout and "replay: " in out.stdout
+    out = subprocess.run([*common, "--lines", "8"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("Python lines per sample received"))
+    total = float(lines[at + 1].split()[0])
+    assert lines[at + 1].endswith(" all") and 20 < total < 2000
+    assert any("_engine.py:Run._on_results" in line for line in lines[at + 2:])  # HttpSource's runs, taken so
+
+
 def test_the_perf_profile_is_read_by_library_and_symbol():
     from dataferry.bench.client_cpu import perf_shares
 
