@@ -77,11 +77,11 @@ class DoneSet:
             f = done.find(0, cur)  # the next not done
             if f < 0:
                 return out, n
-            e = done.find(1, f, min(n, f + k - len(out)))  # and the run of them that follows
-            e = min(n, f + k - len(out)) if e < 0 else e
-            out.extend(range(f, e))
-            cur = e
-        return out, max(cur, start)
+            stop = min(n, f + k - len(out))
+            e = done.find(1, f, stop)  # and the run of them that follows
+            cur = stop if e < 0 else e
+            out.extend(range(f, cur))
+        return out, cur
 
     def __contains__(self, pos: int) -> bool:
         return pos < self.frontier or (pos < self.n and self._done[pos] == 1)

@@ -376,15 +376,15 @@ class Run(Recovery):
                 self._on_result(req, result)
             return
         positions, answered, verify = req.positions, req.answered, self._verify
-        before, slow = len(answered), None
+        first, slow = not answered, None
         per_sample, reserved = req.per_sample, req.reserved
-        link, c = self.link, self.c
-        mean, high = link.mean_bytes, link.high_bytes
+        c = self.c
         held = self._reserved + self.ready_bytes + self.taken_bytes
         peak = c.peak_bytes
         completed, batch, batch_pos, size = ep.completed, ep.batch, ep.batch_pos, ep.batch_size
         add = completed.add
-        taken = received = got = dup = 0
+        taken = got = dup = 0
+        sizes: list[int] = []
         for result in results:
             sid = result.id
             pos = positions.get(sid)
@@ -403,12 +403,7 @@ class Run(Recovery):
             reserved -= take
             taken += take
             held -= take
-            received += nbytes
-            mean += (nbytes - mean) * 0.05
-            if nbytes > high:
-                high = float(nbytes)
-            else:  # the envelope decays towards the mean (half-way in about 2,800 samples)
-                high -= (high - mean) * 0.00025
+            sizes.append(nbytes)
             if add(pos):
                 got += nbytes
                 held += nbytes
@@ -424,8 +419,8 @@ class Run(Recovery):
                     batch, batch_pos = ep.batch, ep.batch_pos
             else:
                 dup += 1
-        if len(answered) > before:
-            if not before:
+        if sizes:
+            if first:
                 req.first = self._loop.time()
             breaker = self._breaker
             if breaker.fails and req.start >= breaker.down_since:
@@ -433,14 +428,12 @@ class Run(Recovery):
             req.reserved = reserved
             self._reserved -= taken
             ep.reserved -= taken
-            c.received += received
+            c.received += sum(sizes)
             c.duplicates += dup
             c.peak_bytes = peak
             self.ready_bytes += got
             ep.pending_bytes += got
-            link.delivered += received
-            link.mean_bytes, link.high_bytes = mean, high
-            link.reserve_bytes = min(high, link.RESERVE_CAP * mean)
+            self.link.arrived(sizes)
         for result in slow or ():
             self._on_result(req, result)
         if ep.outbox:
@@ -502,13 +495,7 @@ class Run(Recovery):
         c = self.c
         c.received += nbytes
         link = self.link
-        link.delivered += nbytes
-        mean = link.mean_bytes = link.mean_bytes + (nbytes - link.mean_bytes) * 0.05
-        if nbytes > link.high_bytes:
-            link.high_bytes = float(nbytes)
-        else:  # the envelope decays towards the mean (half-way in about 2,800 samples)
-            link.high_bytes -= (link.high_bytes - mean) * 0.00025
-        link.reserve_bytes = min(link.high_bytes, link.RESERVE_CAP * mean)
+        link.arrived((nbytes,))
         if self._blind and link.reserve_bytes > self._topped:  # requests in flight were reserved for less
             self._top_up(nbytes)
         if ep.first_fail:  # a retried position's bookkeeping ends when it completes

@@ -300,9 +300,10 @@ class FrameDecoder:
         try:
             while hi - lo >= size:
                 magic, version, kind, flags, id_, label, tlen, dlen = unpack(buf, lo)
-                if (magic != _MAGIC_IN or kind > END or (version != VERSION and version != SUMS_VERSION)
-                        or tlen + dlen > limit):
-                    raise _bad_header(buf, lo, magic, version, kind, tlen + dlen, limit)
+                if magic != _MAGIC_IN or (version != VERSION and version != SUMS_VERSION) or kind > END:
+                    raise WireFormatError(f"bad record header {bytes(buf[lo : lo + 8]).hex()} (magic, version or kind)")
+                if tlen + dlen > limit:
+                    raise WireFormatError(f"record of {tlen + dlen} bytes exceeds the limit of {limit}")
                 end = lo + (size if version == VERSION else sum_size) + tlen + dlen
                 if end > hi:
                     self._need = end - lo
@@ -347,13 +348,6 @@ class FrameDecoder:
         buf, self._buf, self._w, self._ro = self._buf, None, None, None  # nothing of ours keeps the arena now
         if self._give_back is not None:
             self._give_back(buf, lo, self._stop)
-
-
-def _bad_header(buf, lo: int, magic: int, version: int, kind: int, nbytes: int, limit: int) -> WireFormatError:
-    """The error for a record header ``_parse`` refused."""
-    if magic != _MAGIC_IN or kind > END or (version != VERSION and version != SUMS_VERSION):
-        return WireFormatError(f"bad record header {bytes(buf[lo : lo + 8]).hex()} (magic, version or kind)")
-    return WireFormatError(f"record of {nbytes} bytes exceeds the limit of {limit}")
 
 
 def _error_record(raw: memoryview) -> ErrorRecord:
