@@ -289,6 +289,7 @@ class ReplaySource:
             s = s if s.checksum is not None else type(s)(s.id, s.label, s.data, s.target, sample_checksum(s.data))
             self._records[s.id] = memoryview(b"".join(encode_sample(s, sums=True)))
         self._end, self._read, self._pool = encode_end, read, BufferPool()
+        self._mean = sum(map(len, self._records.values())) / max(len(self._records), 1)  # the decoder's first hint
 
     def __getattr__(self, name):
         return getattr(self.memory, name)
@@ -304,7 +305,7 @@ class ReplaySource:
         from dataferry.schema._wire import EndRecord, FrameDecoder
 
         dec = FrameDecoder(dataset, arena=self._pool.take, give_back=self._pool.give_back, expect=len(ids),
-                           mean=SAMPLE_BYTES, verify=True)
+                           mean=self._mean, verify=True)
         body = [self._records[i] for i in ids] + [memoryview(self._end(len(ids)))]
         k, at = 0, 0  # the record being written, and how much of it is
         while k < len(body):
