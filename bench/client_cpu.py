@@ -2,7 +2,7 @@
 
     python -m dataferry.bench.client_cpu [--images 1024] [--epochs 3] [--repeats 5]
                                          [--rtts 0] [--batch-size 256] [--data synthetic|random]
-                                         [--pin] [--floor] [--no-memory] [--fetch-sizes 4,8,32,128]
+                                         [--pin] [--floor] [--unverified] [--no-memory] [--fetch-sizes 4,8,32,128]
                                          [--loader-sizes 32,128] [--perf] [--replay] [--lines IDS]
 
 Method details: bench/README.md, "Methods".
@@ -62,14 +62,16 @@ def _usage() -> tuple[float, float]:
 
 
 def measure(source, dataset: str, epochs: int, batch_size: int, warmup: int = 1, request_size: int | None = None,
-            profile: dict[str, float] | None = None) -> Run:
+            profile: dict[str, float] | None = None, verify: bool = True) -> Run:
     """One Loader over ``source``: ``warmup`` epochs, then ``epochs`` measured
     (from the first batch after the warm-up to the last); ``request_size``
     fixes the ids per request (None: the tuner's). ``profile``: ``perf record``
-    this process over the same span, and put each symbol's share of its CPU there."""
-    from dataferry.client import Loader, Prefetch
+    this process over the same span, and put each symbol's share of its CPU there. ``verify``
+    False: ``ErrorPolicy(verify=False)`` (no checksums asked for, none checked)."""
+    from dataferry.client import ErrorPolicy, Loader, Prefetch
 
-    with Loader(source, dataset, batch_size=batch_size, prefetch=Prefetch(request_size=request_size)) as loader:
+    with Loader(source, dataset, batch_size=batch_size, prefetch=Prefetch(request_size=request_size),
+                errors=ErrorPolicy(verify=verify)) as loader:
         samples = 0
         u0 = s0 = t0 = None
         r0 = 0
@@ -168,10 +170,13 @@ def _print_profile(profiles: list[dict[str, float]], runs: list[Run], top: int =
                                         if v >= 0.01), flush=True)
 
 
-def recv_floor(samples: int, *, sender_cpus: set[int] | None = None, chunk: int = 4 << 20, ring: int = 32) -> Run:
+def recv_floor(samples: int, *, sender_cpus: set[int] | None = None, chunk: int = 4 << 20, ring: int = 32,
+               check: bool = False) -> Run:
     """This process receiving ``samples`` x 110 KB on loopback from another
     process, ``recv_into`` ``chunk`` bytes at a time into a ring of ``ring``
-    buffers: the CPU of the receive alone."""
+    buffers: the CPU of the receive alone. ``check``: each read's bytes also
+    hashed (XXH3-64) right after it, in 110 KB pieces, as the decoder checks a
+    sample: the least any client that verifies end to end pays."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     total = samples * SAMPLE_BYTES
@@ -192,12 +197,19 @@ def recv_floor(samples: int, *, sender_cpus: set[int] | None = None, chunk: int 
     listener.close()
     buffers = [memoryview(bytearray(chunk)) for _ in range(ring)]
     got = k = 0
+    from dataferry.schema import sample_checksum
+
+    hash_ = sample_checksum if check else None
     (u0, s0), t0 = _usage(), time.perf_counter()
     with conn:
         while got < total:
-            n = conn.recv_into(buffers[k % ring])
+            buf = buffers[k % ring]
+            n = conn.recv_into(buf)
             if not n:
                 break
+            if hash_ is not None:  # a sample split across two reads is hashed in two pieces: the same bytes
+                for i in range(0, n, SAMPLE_BYTES):
+                    hash_(buf[i : min(i + SAMPLE_BYTES, n)])
             got += n
             k += 1
     (u1, s1), wall = _usage(), time.perf_counter() - t0
@@ -360,7 +372,10 @@ def main(argv: list[str] | None = None) -> int:
                         "to HttpSource's decoder from memory (ReplaySource), then the engine")
     p.add_argument("--replay-bytes", type=int, default=SAMPLE_BYTES, metavar="N",
                    help=f"--replay: bytes per sample (default {SAMPLE_BYTES:,})")
-    p.add_argument("--floor", action="store_true", help="add the kernel's share: a bare loopback recv_into of the bytes")
+    p.add_argument("--floor", action="store_true", help="add the kernel's share: a bare loopback recv_into of the bytes, "
+                   "and the same with each 110 KB hashed as the client checks it")
+    p.add_argument("--unverified", action="store_true",
+                   help="add an HTTP row per RTT with ErrorPolicy(verify=False): no checksums asked for or checked")
     p.add_argument("--pin", action="store_true", help="the server on CPU 0, this process on the others")
     p.add_argument("--loader-sizes", default="",
                    help="comma-separated request sizes: also the Loader over HTTP with Prefetch(request_size=n)")
@@ -401,6 +416,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = [recv_floor(n, sender_cpus=server_cpus) for _ in range(args.repeats)]
         rows.append(_row("bare recv_into, 4 MiB (kernel floor)", "0", runs))
         print(f"floor: {rows[-1][2]} us per 110 KB (user {rows[-1][3]}, sys {rows[-1][4]})", flush=True)
+        runs = [recv_floor(n, sender_cpus=server_cpus, check=True) for _ in range(args.repeats)]
+        rows.append(_row("the same + XXH3-64 of each 110 KB (the check)", "0", runs))
+        print(f"floor with the check: {rows[-1][2]} us per 110 KB (user {rows[-1][3]}, sys {rows[-1][4]})",
+              flush=True)
     if not args.no_memory:
         rows.append(_row("MemorySource (engine alone)", "-",
                          _memory_reference(args.images, args.epochs, args.batch_size, args.repeats)))
@@ -423,6 +442,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             if args.perf:
                 _print_profile(profiles, runs)
+            if args.unverified:
+                with ProxyLink().emulate(Condition(rtt_ms=rtt)) as route:
+                    host, port = route(server) if rtt > 0 else server
+                    runs = [measure(f"http://{host}:{port}", DATASET, args.epochs, args.batch_size, verify=False)
+                            for _ in range(args.repeats)]
+                rows.append(_row(f"HTTP, {'direct' if rtt == 0 else 'latency proxy'}, verify=False", f"{rtt:g}", runs))
+                print(f"http rtt {rtt:g} ms, verify=False: {rows[-1][2]} us/sample, user {rows[-1][3]}, "
+                      f"sys {rows[-1][4]}", flush=True)
         for n in [int(x) for x in args.loader_sizes.split(",") if x.strip()]:
             runs = [measure(f"http://{server[0]}:{server[1]}", DATASET, args.epochs, args.batch_size, request_size=n)
                     for _ in range(args.repeats)]

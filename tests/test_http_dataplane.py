@@ -399,13 +399,28 @@ def _read_as_a_socket(dec, body: bytes, most: int) -> list:
 def test_client_cpu_bench_smoke(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "dataferry.bench.client_cpu", "--data", "random", "--images", "64", "--epochs", "1",
-         "--repeats", "1", "--batch-size", "16", "--no-memory", "--fetch-sizes", "4,8", "--loader-sizes", "8"],
+         "--repeats", "1", "--batch-size", "16", "--no-memory", "--fetch-sizes", "4,8", "--loader-sizes", "8",
+         "--unverified"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "client CPU us/sample" in out.stdout and "HTTP, direct" in out.stdout
+    assert "HTTP, direct, verify=False" in out.stdout and "verify=False: " in out.stdout
     assert "HttpSource.fetch alone, 8 ids a request" in out.stdout and "us per request +" in out.stdout
     assert "Loader at 8 ids a request" in out.stdout and "ids a request (tuned)" in out.stdout
+
+
+def test_the_checked_floor_hashes_every_byte_received_in_sample_sized_pieces(monkeypatch):
+    import dataferry.schema
+    from dataferry.bench.client_cpu import SAMPLE_BYTES, recv_floor
+
+    pieces = []
+    monkeypatch.setattr(dataferry.schema, "sample_checksum", lambda view: pieces.append(len(view)) or 0)
+    run = recv_floor(40, check=True)
+    assert run.samples == 40 and sum(pieces) == 40 * SAMPLE_BYTES
+    assert max(pieces) <= SAMPLE_BYTES and len(pieces) >= 40
+    pieces.clear()
+    assert recv_floor(40).samples == 40 and not pieces  # the bare floor hashes nothing
 
 
 def test_client_cpu_replay_and_line_count_smoke(tmp_path):
