@@ -117,7 +117,6 @@ def _where(frame) -> str:
     return f"{short}:{frame.f_lineno} {code.co_name}"
 
 
-
 class LineCounter:
     """The Python lines executed in dataferry's runtime packages, by function, in every
     thread started while it is installed (``threading.settrace``) and this one: a count that

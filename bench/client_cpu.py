@@ -177,6 +177,8 @@ def recv_floor(samples: int, *, sender_cpus: set[int] | None = None, chunk: int 
     buffers: the CPU of the receive alone. ``check``: each read's bytes also
     hashed (XXH3-64) right after it, in 110 KB pieces, as the decoder checks a
     sample: the least any client that verifies end to end pays."""
+    from dataferry.schema import sample_checksum
+
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     total = samples * SAMPLE_BYTES
@@ -197,8 +199,6 @@ def recv_floor(samples: int, *, sender_cpus: set[int] | None = None, chunk: int 
     listener.close()
     buffers = [memoryview(bytearray(chunk)) for _ in range(ring)]
     got = k = 0
-    from dataferry.schema import sample_checksum
-
     hash_ = sample_checksum if check else None
     (u0, s0), t0 = _usage(), time.perf_counter()
     with conn:
@@ -433,23 +433,19 @@ def main(argv: list[str] | None = None) -> int:
             with ProxyLink().emulate(Condition(rtt_ms=rtt)) as route:
                 host, port = route(server) if rtt > 0 else server
                 url = f"http://{host}:{port}"
-                profiles: list = [{} if args.perf else None for _ in range(args.repeats)]
-                runs = [measure(url, DATASET, args.epochs, args.batch_size, profile=p) for p in profiles]
-            row = _row(f"HTTP, {'direct' if rtt == 0 else 'latency proxy'}", f"{rtt:g}", runs)
-            each = " ".join(f"{r.us_per_sample:.1f}" for r in runs)
-            print(f"http rtt {rtt:g} ms: {row[2]} us/sample (runs: {each}), user {row[3]}, sys {row[4]}, "
-                  f"{row[5]} samples/s, {_ids_per_request(runs)} ids a request (tuned)", flush=True)
-            rows.append(row)
-            if args.perf:
-                _print_profile(profiles, runs)
-            if args.unverified:
-                with ProxyLink().emulate(Condition(rtt_ms=rtt)) as route:
-                    host, port = route(server) if rtt > 0 else server
-                    runs = [measure(f"http://{host}:{port}", DATASET, args.epochs, args.batch_size, verify=False)
-                            for _ in range(args.repeats)]
-                rows.append(_row(f"HTTP, {'direct' if rtt == 0 else 'latency proxy'}, verify=False", f"{rtt:g}", runs))
-                print(f"http rtt {rtt:g} ms, verify=False: {rows[-1][2]} us/sample, user {rows[-1][3]}, "
-                      f"sys {rows[-1][4]}", flush=True)
+                for verify in (True, False) if args.unverified else (True,):
+                    profiles: list = [{} if args.perf and verify else None for _ in range(args.repeats)]
+                    runs = [measure(url, DATASET, args.epochs, args.batch_size, profile=p, verify=verify)
+                            for p in profiles]
+                    unchecked = "" if verify else ", verify=False"
+                    row = _row(f"HTTP, {'direct' if rtt == 0 else 'latency proxy'}{unchecked}", f"{rtt:g}", runs)
+                    each = " ".join(f"{r.us_per_sample:.1f}" for r in runs)
+                    print(f"http rtt {rtt:g} ms{unchecked}: {row[2]} us/sample (runs: {each}), user {row[3]}, "
+                          f"sys {row[4]}, {row[5]} samples/s, {_ids_per_request(runs)} ids a request (tuned)",
+                          flush=True)
+                    rows.append(row)
+                    if profiles[0] is not None:
+                        _print_profile(profiles, runs)
         for n in [int(x) for x in args.loader_sizes.split(",") if x.strip()]:
             runs = [measure(f"http://{server[0]}:{server[1]}", DATASET, args.epochs, args.batch_size, request_size=n)
                     for _ in range(args.repeats)]
